@@ -1,0 +1,144 @@
+"""Experts: stacked per-expert weights run as grouped GEMMs, or one user module per expert."""
+import math
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fmoe import kernels
+
+ACTIVATIONS = ("gelu", "relu", "swiglu")
+
+
+def resolve_activation(activation) -> Union[str, Callable]:
+    """A name from ACTIVATIONS, or FastMoE's style: an activation module such as nn.GELU()."""
+    if isinstance(activation, str):
+        if activation.lower() not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS} or a callable, got {activation!r}")
+        return activation.lower()
+    if isinstance(activation, type) and issubclass(activation, nn.Module):
+        activation = activation()
+    if activation is F.gelu:
+        return "gelu"
+    if activation is F.relu:
+        return "relu"
+    if isinstance(activation, nn.GELU) and activation.approximate == "none":
+        return "gelu"
+    if isinstance(activation, nn.ReLU):
+        return "relu"
+    if callable(activation):
+        return activation
+    raise ValueError(f"activation must be one of {ACTIVATIONS} or a callable, got {activation!r}")
+
+
+def _uniform_(tensor: torch.Tensor, fan_in: int):
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    nn.init.uniform_(tensor, -bound, bound)
+
+
+def add_bias_rows(y_NO, bias_eO, counts_e):
+    """Add expert e's bias to each of its rows."""
+    return y_NO + bias_eO.repeat_interleave(counts_e, dim=0, output_size=y_NO.shape[0])
+
+
+class FMoELinear(nn.Module):
+    """FastMoE's per-expert linear layer: `weight` is [num_expert, out_feat, in_feat]."""
+
+    def __init__(self, num_expert: int, in_feat: int, out_feat: int, bias: bool = True, rank: int = 0):
+        super().__init__()
+        self.num_expert, self.in_feat, self.out_feat, self.rank = num_expert, in_feat, out_feat, rank
+        self.weight = nn.Parameter(torch.empty(num_expert, out_feat, in_feat))
+        self.bias = nn.Parameter(torch.empty(num_expert, out_feat)) if bias else None
+        _uniform_(self.weight, in_feat)
+        if self.bias is not None:
+            _uniform_(self.bias, in_feat)
+
+    def forward(self, inp_NI, fwd_expert_count_e):
+        out = kernels.grouped_mm(inp_NI, self.weight.transpose(1, 2), fwd_expert_count_e)
+        if self.bias is not None:
+            out = add_bias_rows(out, self.bias, fwd_expert_count_e)
+        return out
+
+    def extra_repr(self):
+        return f"num_expert={self.num_expert}, in_features={self.in_feat}, out_features={self.out_feat}, bias={self.bias is not None}"
+
+
+class GroupedExperts(nn.Module):
+    """`num_expert` two-layer MLPs with stacked weights: w1_eDF, w2_eFD (+ b1_eF, b2_eD).
+
+    For swiglu, `w1_eDF` holds the gate and the up projection side by side ([e, D, 2F]: gate
+    first), so both run in one grouped GEMM.
+    """
+
+    def __init__(self, num_expert: int, d_model: int, d_hidden: int, activation="gelu", bias: bool = True):
+        super().__init__()
+        for name, value in (("num_expert", num_expert), ("d_model", d_model), ("d_hidden", d_hidden)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.num_expert, self.d_model, self.d_hidden = num_expert, d_model, d_hidden
+        self.activation = resolve_activation(activation)
+        width1 = 2 * d_hidden if self.activation == "swiglu" else d_hidden
+        self.w1_eDF = nn.Parameter(torch.empty(num_expert, d_model, width1))
+        self.w2_eFD = nn.Parameter(torch.empty(num_expert, d_hidden, d_model))
+        self.b1_eF = nn.Parameter(torch.empty(num_expert, width1)) if bias else None
+        self.b2_eD = nn.Parameter(torch.empty(num_expert, d_model)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        _uniform_(self.w1_eDF, self.d_model)
+        _uniform_(self.w2_eFD, self.d_hidden)
+        if self.b1_eF is not None:
+            _uniform_(self.b1_eF, self.d_model)
+            _uniform_(self.b2_eD, self.d_hidden)
+
+    def act(self, h_NF):
+        if self.activation == "gelu":
+            return F.gelu(h_NF)
+        if self.activation == "relu":
+            return F.relu(h_NF)
+        if self.activation == "swiglu":
+            gate, up = h_NF.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return self.activation(h_NF)
+
+    def forward(self, x_ND, counts_e):
+        h_NF = kernels.grouped_mm(x_ND, self.w1_eDF, counts_e)
+        if self.b1_eF is not None:
+            h_NF = add_bias_rows(h_NF, self.b1_eF, counts_e)
+        y_ND = kernels.grouped_mm(self.act(h_NF), self.w2_eFD, counts_e)
+        if self.b2_eD is not None:
+            y_ND = add_bias_rows(y_ND, self.b2_eD, counts_e)
+        return y_ND
+
+    def expert_forward(self, e: int, x_TD):
+        """Expert `e` alone on a batch of tokens: the per-token reference uses this."""
+        h = x_TD @ self.w1_eDF[e]
+        if self.b1_eF is not None:
+            h = h + self.b1_eF[e]
+        y = self.act(h) @ self.w2_eFD[e]
+        return y + self.b2_eD[e] if self.b2_eD is not None else y
+
+    def extra_repr(self):
+        act = self.activation if isinstance(self.activation, str) else repr(self.activation)
+        return f"num_expert={self.num_expert}, d_model={self.d_model}, d_hidden={self.d_hidden}, activation={act}"
+
+
+class ModuleListExperts(nn.Module):
+    """User experts, one module per expert (FastMoE's `expert=` class or list of classes)."""
+
+    def __init__(self, expert, num_expert: int, d_model: int):
+        super().__init__()
+        classes = list(expert) if isinstance(expert, (list, tuple)) else [expert] * num_expert
+        if len(classes) != num_expert:
+            raise ValueError(f"expert: a list of expert classes needs num_expert={num_expert} entries, got {len(classes)}")
+        self.experts = nn.ModuleList([cls(d_model) for cls in classes])
+        self.num_expert = num_expert
+
+    def forward(self, x_ND, counts_e):
+        chunks = torch.split(x_ND, counts_e.tolist())
+        outs = [self.experts[e](chunk) if chunk.shape[0] else chunk for e, chunk in enumerate(chunks)]
+        return torch.cat(outs, dim=0) if outs else x_ND
+
+    def expert_forward(self, e: int, x_TD):
+        return self.experts[e](x_TD)

@@ -1,0 +1,31 @@
+"""Gates: `x_TD -> Routing`. `make_gate` builds one from a name, a class or an instance."""
+from fmoe.gates.balanced import BalancedGate
+from fmoe.gates.base import BaseGate, Routing
+from fmoe.gates.gshard import GShardGate
+from fmoe.gates.naive import NaiveGate
+from fmoe.gates.noisy import NoisyGate
+from fmoe.gates.switch import SwitchGate
+
+GATES = {
+    "naive": NaiveGate,
+    "noisy": NoisyGate,
+    "gshard": GShardGate,
+    "switch": SwitchGate,
+    "balanced": BalancedGate,
+}
+
+
+def make_gate(gate, d_model: int, num_expert: int, world_size: int, top_k: int, **gate_kwargs) -> BaseGate:
+    if isinstance(gate, BaseGate):
+        return gate
+    if isinstance(gate, str):
+        if gate.lower() not in GATES:
+            raise ValueError(f"gate must be one of {sorted(GATES)} or a BaseGate class/instance, got {gate!r}")
+        gate = GATES[gate.lower()]
+    if not (isinstance(gate, type) and issubclass(gate, BaseGate)):
+        raise TypeError(f"gate must be a gate name, a BaseGate subclass or instance, got {gate!r}")
+    return gate(d_model, num_expert, world_size, top_k, **gate_kwargs)
+
+
+__all__ = ["BaseGate", "Routing", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate",
+           "GATES", "make_gate"]

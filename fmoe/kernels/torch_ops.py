@@ -1,0 +1,130 @@
+"""Torch implementations of the data-movement and grouped-GEMM ops (the CPU path, for good).
+
+All three are autograd functions whose backward is written out, so the Triton path can mirror
+them op for op, and so every sum is deterministic: each output row adds its own rows in a fixed
+order, never an atomic or an `index_add` of several rows onto one in the forward.
+"""
+import torch
+
+from fmoe.routing import RoutingPlan
+
+
+def gather_rows_summed(y_ND, row_of_slot_TK, weight_TK=None):
+    """out[t] = sum_k weight[t, k] * y[row_of_slot[t, k]], skipping dropped slots (row -1)."""
+    T, K = row_of_slot_TK.shape
+    N, D = y_ND.shape
+    acc_dtype = torch.float32 if y_ND.dtype in (torch.float16, torch.bfloat16) else y_ND.dtype
+    y_pad = torch.cat([y_ND, y_ND.new_zeros(1, D)])     # row N is the zero row for drops
+    rows_TK = torch.where(row_of_slot_TK >= 0, row_of_slot_TK, torch.full_like(row_of_slot_TK, N))
+    out_TD = torch.zeros(T, D, dtype=acc_dtype, device=y_ND.device)
+    for k in range(K):
+        picked_TD = y_pad.index_select(0, rows_TK[:, k]).to(acc_dtype)
+        if weight_TK is not None:
+            picked_TD = picked_TD * weight_TK[:, k:k + 1].to(acc_dtype)
+        out_TD += picked_TD
+    return out_TD.to(y_ND.dtype)
+
+
+class Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, token_N, row_of_slot_TK):
+        ctx.save_for_backward(row_of_slot_TK)
+        return x_TD.index_select(0, token_N)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        (row_of_slot_TK,) = ctx.saved_tensors
+        return gather_rows_summed(grad_ND.contiguous(), row_of_slot_TK), None, None
+
+
+class Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_ND, weight_TK, token_N, slot_N, row_of_slot_TK):
+        ctx.save_for_backward(y_ND, weight_TK, token_N, slot_N, row_of_slot_TK)
+        return gather_rows_summed(y_ND, row_of_slot_TK, weight_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        y_ND, weight_TK, token_N, slot_N, row_of_slot_TK = ctx.saved_tensors
+        grad_TD = grad_TD.contiguous()
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            weight_N = weight_TK.reshape(-1).index_select(0, slot_N).to(grad_TD.dtype)
+            grad_y = grad_TD.index_select(0, token_N) * weight_N[:, None]
+        if ctx.needs_input_grad[1]:
+            grad_slot_S = torch.zeros(weight_TK.numel(), dtype=torch.float32, device=grad_TD.device)
+            dots_N = (grad_TD.index_select(0, token_N).float() * y_ND.float()).sum(-1)
+            grad_slot_S[slot_N] = dots_N
+            grad_w = grad_slot_S.view_as(weight_TK).to(weight_TK.dtype)
+        return grad_y, grad_w, None, None, None
+
+
+def permute(x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    return Permute.apply(x_TD, plan.token_N, plan.row_of_slot_TK)
+
+
+def unpermute(y_ND: torch.Tensor, plan: RoutingPlan, weight_TK: torch.Tensor) -> torch.Tensor:
+    return Unpermute.apply(y_ND, weight_TK, plan.token_N, plan.slot_N, plan.row_of_slot_TK)
+
+
+def _fits_grouped_mm(*tensors) -> bool:
+    """torch._grouped_mm wants fp32/bf16 on CPU (bf16 on CUDA from sm90), 16-byte aligned strides."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    for t in tensors:
+        allowed = (torch.bfloat16,) if t.is_cuda else (torch.float32, torch.bfloat16)
+        if t.dtype not in allowed or t.data_ptr() % 16:
+            return False
+        if any(s != 1 and (s * t.element_size()) % 16 for s in t.stride()):
+            return False
+    if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
+        return False
+    return True
+
+
+def _offsets(counts_e):
+    return torch.cumsum(counts_e, 0, dtype=torch.int32)
+
+
+def _mm_rows(x_ND, w_eIO, counts_e):
+    """y[rows of e] = x[rows of e] @ w[e]."""
+    if _fits_grouped_mm(x_ND, w_eIO):
+        return torch._grouped_mm(x_ND, w_eIO, offs=_offsets(counts_e))
+    y_NO = x_ND.new_empty(x_ND.shape[0], w_eIO.shape[2])
+    start = 0
+    for e, n in enumerate(counts_e.tolist()):
+        torch.matmul(x_ND[start:start + n], w_eIO[e], out=y_NO[start:start + n])
+        start += n
+    return y_NO
+
+
+def _mm_weight_grad(x_NI, dy_NO, counts_e):
+    """dw[e] = x[rows of e]^T @ dy[rows of e]; zero for an expert with no rows."""
+    if _fits_grouped_mm(x_NI, dy_NO):
+        return torch._grouped_mm(x_NI.t(), dy_NO, offs=_offsets(counts_e))
+    dw = x_NI.new_zeros(counts_e.numel(), x_NI.shape[1], dy_NO.shape[1])
+    start = 0
+    for e, n in enumerate(counts_e.tolist()):
+        if n:
+            torch.matmul(x_NI[start:start + n].t(), dy_NO[start:start + n], out=dw[e])
+        start += n
+    return dw
+
+
+class GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_NI, w_eIO, counts_e):
+        ctx.save_for_backward(x_NI, w_eIO, counts_e)
+        return _mm_rows(x_NI, w_eIO, counts_e)
+
+    @staticmethod
+    def backward(ctx, dy_NO):
+        x_NI, w_eIO, counts_e = ctx.saved_tensors
+        dy_NO = dy_NO.contiguous()
+        dx = _mm_rows(dy_NO, w_eIO.transpose(1, 2), counts_e) if ctx.needs_input_grad[0] else None
+        dw = _mm_weight_grad(x_NI, dy_NO, counts_e) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+    return GroupedMM.apply(x_NI, w_eIO, counts_e)

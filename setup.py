@@ -1,0 +1,19 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="fmoe",
+    version="0.1.0",
+    description="Mixture-of-Experts training for PyTorch: grouped GEMMs in Triton, expert parallelism, "
+                "FasterMoE shadowing; pure Python, FastMoE-compatible",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["fmoe", "fmoe.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4", "numpy", "tqdm", "matplotlib", "triton>=3.0; platform_system == \"Linux\""],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "test": ["pytest>=7", "pytest-timeout", "triton>=3.0"],
+        "bench": ["triton>=3.0"],
+    },
+    entry_points={"console_scripts": ["fmoe=fmoe.cli:main"]},
+)
