@@ -37,11 +37,6 @@ def _uniform_(tensor: torch.Tensor, fan_in: int):
     nn.init.uniform_(tensor, -bound, bound)
 
 
-def add_bias_rows(y_NO, bias_eO, counts_e):
-    """Add expert e's bias to each of its rows."""
-    return y_NO + bias_eO.repeat_interleave(counts_e, dim=0, output_size=y_NO.shape[0])
-
-
 class FMoELinear(nn.Module):
     """FastMoE's per-expert linear layer: `weight` is [num_expert, out_feat, in_feat]."""
 
@@ -55,10 +50,7 @@ class FMoELinear(nn.Module):
             _uniform_(self.bias, in_feat)
 
     def forward(self, inp_NI, fwd_expert_count_e):
-        out = kernels.grouped_mm(inp_NI, self.weight.transpose(1, 2), fwd_expert_count_e)
-        if self.bias is not None:
-            out = add_bias_rows(out, self.bias, fwd_expert_count_e)
-        return out
+        return kernels.grouped_mm(inp_NI, self.weight.transpose(1, 2), fwd_expert_count_e, self.bias)
 
     def extra_repr(self):
         return f"num_expert={self.num_expert}, in_features={self.in_feat}, out_features={self.out_feat}, bias={self.bias is not None}"
@@ -71,8 +63,10 @@ class GroupedExperts(nn.Module):
     first), so both run in one grouped GEMM.
     """
 
-    def __init__(self, num_expert: int, d_model: int, d_hidden: int, activation="gelu", bias: bool = True):
+    def __init__(self, num_expert: int, d_model: int, d_hidden: int, activation="gelu", bias: bool = True,
+                 backend=None):
         super().__init__()
+        self.backend = backend
         for name, value in (("num_expert", num_expert), ("d_model", d_model), ("d_hidden", d_hidden)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -103,13 +97,8 @@ class GroupedExperts(nn.Module):
         return self.activation(h_NF)
 
     def forward(self, x_ND, counts_e):
-        h_NF = kernels.grouped_mm(x_ND, self.w1_eDF, counts_e)
-        if self.b1_eF is not None:
-            h_NF = add_bias_rows(h_NF, self.b1_eF, counts_e)
-        y_ND = kernels.grouped_mm(self.act(h_NF), self.w2_eFD, counts_e)
-        if self.b2_eD is not None:
-            y_ND = add_bias_rows(y_ND, self.b2_eD, counts_e)
-        return y_ND
+        h_NF = kernels.grouped_mm(x_ND, self.w1_eDF, counts_e, self.b1_eF, self.backend)
+        return kernels.grouped_mm(self.act(h_NF), self.w2_eFD, counts_e, self.b2_eD, self.backend)
 
     def expert_forward(self, e: int, x_TD):
         """Expert `e` alone on a batch of tokens: the per-token reference uses this."""

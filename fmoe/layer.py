@@ -64,7 +64,7 @@ class FMoE(nn.Module):
         elif expert is not None:
             self.experts = ModuleListExperts(expert, num_expert, d_model)
         elif d_hidden is not None:
-            self.experts = GroupedExperts(num_expert, d_model, d_hidden, activation, bias=expert_bias)
+            self.experts = GroupedExperts(num_expert, d_model, d_hidden, activation, bias=expert_bias, backend=backend)
         else:
             raise ValueError("FMoE needs its experts: pass expert= (a module class) or d_hidden= (stacked MLP experts)")
         mark_expert_parameters(self.experts)

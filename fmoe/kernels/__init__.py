@@ -14,15 +14,20 @@ from fmoe.routing import RoutingPlan
 BACKENDS = ("torch", "triton")
 
 
-def triton_available() -> bool:
+def triton_import_error() -> Optional[str]:
+    """Why fmoe.kernels.triton_ops does not import, or None when it does."""
     try:
         from fmoe.kernels import triton_ops  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except ImportError as err:
+        return str(err)
+    return None
 
 
-def resolve_backend(tensor: torch.Tensor, backend: Optional[str] = None) -> str:
+def triton_available() -> bool:
+    return triton_import_error() is None
+
+
+def _choose(is_cuda: bool, backend: Optional[str]) -> str:
     choice = backend or os.environ.get("FMOE_BACKEND") or None
     if choice is not None:
         if choice not in BACKENDS:
@@ -30,7 +35,29 @@ def resolve_backend(tensor: torch.Tensor, backend: Optional[str] = None) -> str:
         if choice == "triton" and not triton_available():
             raise ValueError("backend='triton' was asked for but fmoe.kernels.triton_ops cannot be imported")
         return choice
-    return "triton" if tensor.is_cuda and triton_available() else "torch"
+    return "triton" if is_cuda and triton_available() else "torch"
+
+
+def resolve_backend(tensor: torch.Tensor, backend: Optional[str] = None) -> str:
+    return _choose(tensor.is_cuda, backend)
+
+
+def backend_report() -> dict:
+    """Which backends import and which one CUDA and CPU tensors get now (`fmoe info` prints it)."""
+    report = {
+        "importable": {"torch": True, "triton": triton_available()},
+        "triton_import_error": triton_import_error(),
+        "torch_grouped_mm": hasattr(torch, "_grouped_mm"),
+        "cuda_available": torch.cuda.is_available(),
+        "FMOE_BACKEND": os.environ.get("FMOE_BACKEND"),
+        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"),
+    }
+    for key, is_cuda in (("cuda_tensors", True), ("cpu_tensors", False)):
+        try:
+            report[key] = _choose(is_cuda, None)
+        except ValueError as err:
+            report[key] = f"error: {err}"
+    return report
 
 
 def _ops(tensor, backend):
@@ -52,6 +79,6 @@ def unpermute(y_ND: torch.Tensor, plan: RoutingPlan, weight_TK: torch.Tensor,
 
 
 def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
-               backend: Optional[str] = None) -> torch.Tensor:
-    """Rows sorted by expert, `counts_e[e]` of them for expert e: y = x_seg @ w_eIO[e]."""
-    return _ops(x_NI, backend).grouped_mm(x_NI, w_eIO, counts_e)
+               bias_eO: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
+    """Rows sorted by expert, `counts_e[e]` of them for expert e: y = x_seg @ w_eIO[e] + bias_eO[e]."""
+    return _ops(x_NI, backend).grouped_mm(x_NI, w_eIO, counts_e, bias_eO)

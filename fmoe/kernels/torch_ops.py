@@ -4,6 +4,8 @@ All three are autograd functions whose backward is written out, so the Triton pa
 them op for op, and so every sum is deterministic: each output row adds its own rows in a fixed
 order, never an atomic or an `index_add` of several rows onto one in the forward.
 """
+from typing import Optional
+
 import torch
 
 from fmoe.routing import RoutingPlan
@@ -86,14 +88,22 @@ def _offsets(counts_e):
     return torch.cumsum(counts_e, 0, dtype=torch.int32)
 
 
-def _mm_rows(x_ND, w_eIO, counts_e):
-    """y[rows of e] = x[rows of e] @ w[e]."""
-    if _fits_grouped_mm(x_ND, w_eIO):
-        return torch._grouped_mm(x_ND, w_eIO, offs=_offsets(counts_e))
+def _mm_rows(x_ND, w_eIO, counts_e, bias_eO=None):
+    """y[rows of e] = x[rows of e] @ w[e] (+ bias[e])."""
+    if _fits_grouped_mm(x_ND, w_eIO) and (bias_eO is None or x_ND.is_cuda):
+        y_NO = torch._grouped_mm(x_ND, w_eIO, offs=_offsets(counts_e))
+        if bias_eO is not None:
+            y_NO += bias_eO.repeat_interleave(counts_e, dim=0, output_size=y_NO.shape[0])
+        return y_NO
+    # On the CPU a loop of addmm over contiguous segments is as fast as the grouped GEMM and
+    # fuses the bias, which an add over all rows afterwards would cost a full pass for.
     y_NO = x_ND.new_empty(x_ND.shape[0], w_eIO.shape[2])
     start = 0
     for e, n in enumerate(counts_e.tolist()):
-        torch.matmul(x_ND[start:start + n], w_eIO[e], out=y_NO[start:start + n])
+        if bias_eO is None:
+            torch.matmul(x_ND[start:start + n], w_eIO[e], out=y_NO[start:start + n])
+        else:
+            torch.addmm(bias_eO[e], x_ND[start:start + n], w_eIO[e], out=y_NO[start:start + n])
         start += n
     return y_NO
 
@@ -111,20 +121,41 @@ def _mm_weight_grad(x_NI, dy_NO, counts_e):
     return dw
 
 
+def segment_sum(dy_NO, counts_e):
+    """Per-expert sum of rows: the bias gradient."""
+    if dy_NO.is_cuda:
+        return torch.segment_reduce(dy_NO, "sum", lengths=counts_e, axis=0, unsafe=True)
+    # segment_reduce is several times slower than plain row sums on the CPU.
+    sums, start = [], 0
+    for n in counts_e.tolist():
+        sums.append(dy_NO[start:start + n].sum(0))
+        start += n
+    return torch.stack(sums)
+
+
 class GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_NI, w_eIO, counts_e):
+    def forward(ctx, x_NI, w_eIO, counts_e, bias_eO):
         ctx.save_for_backward(x_NI, w_eIO, counts_e)
-        return _mm_rows(x_NI, w_eIO, counts_e)
+        return _mm_rows(x_NI, w_eIO, counts_e, bias_eO)
 
     @staticmethod
     def backward(ctx, dy_NO):
         x_NI, w_eIO, counts_e = ctx.saved_tensors
         dy_NO = dy_NO.contiguous()
-        dx = _mm_rows(dy_NO, w_eIO.transpose(1, 2), counts_e) if ctx.needs_input_grad[0] else None
-        dw = _mm_weight_grad(x_NI, dy_NO, counts_e) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        needs = ctx.needs_input_grad
+        dx = _mm_rows(dy_NO, w_eIO.transpose(1, 2), counts_e) if needs[0] else None
+        dw = _mm_weight_grad(x_NI, dy_NO, counts_e) if needs[1] else None
+        db = segment_sum(dy_NO, counts_e) if needs[3] else None
+        return dx, dw, None, db
 
 
-def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
-    return GroupedMM.apply(x_NI, w_eIO, counts_e)
+def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
+               bias_eO: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return GroupedMM.apply(x_NI, w_eIO, counts_e, bias_eO)
+
+
+def gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
+                      row_of_slot_TK: torch.Tensor) -> torch.Tensor:
+    """grouped_mm of the rows x_TD[token_N]: here the permuted copy is made, Triton reads in place."""
+    return grouped_mm(Permute.apply(x_TD, token_N, row_of_slot_TK), w_eIO, counts_e)

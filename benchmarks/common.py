@@ -1,0 +1,58 @@
+"""Shared pieces of the benchmarks: timing, balanced routing, the machine's description, JSON out."""
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from fmoe.gates.base import BaseGate, LinearRouter
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def time_call(fn, warmup: int = 2, reps: int = 5) -> float:
+    """Median wall time of fn() in seconds (CUDA-synchronised when on a GPU)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class RoundRobinGate(BaseGate):
+    """Perfectly balanced routing (slot t*K+k to expert (t*K+k) % E), weights from a real router."""
+
+    def __init__(self, d_model, num_expert, world_size=1, top_k=2, **_):
+        super().__init__(d_model, num_expert, world_size, top_k)
+        self.gate = LinearRouter(d_model, self.tot_expert)
+
+    def route(self, x_TD):
+        T = x_TD.shape[0]
+        logits_TE = self.gate(x_TD)
+        idx_TK = (torch.arange(T * self.top_k, device=x_TD.device) % self.tot_expert).view(T, self.top_k)
+        weight_TK = torch.softmax(logits_TE.gather(1, idx_TK).float(), -1)
+        return idx_TK, weight_TK, weight_TK, logits_TE, logits_TE.new_zeros(())
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def write_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

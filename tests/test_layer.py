@@ -1,0 +1,132 @@
+"""FMoE against the per-token oracle: outputs and every gradient."""
+import pytest
+import torch
+from torch import nn
+
+import fmoe
+from tests.reference import grads_of, per_token_moe
+
+GATE_TOPK = [("naive", k) for k in (1, 2, 3, 4)] + [("noisy", 2), ("noisy", 4), ("gshard", 2), ("switch", 1),
+                                                  ("balanced", 1), ("balanced", 3)]
+
+
+def make_layer(gate, top_k, num_expert, d_model=8, d_hidden=16, activation="gelu", dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    layer = fmoe.FMoETransformerMLP(num_expert=num_expert, d_model=d_model, d_hidden=d_hidden, top_k=top_k,
+                                    gate=gate, activation=activation)
+    return layer.to(dtype)
+
+
+def assert_matches_oracle(layer, x, atol, rtol, train=False, seed=7):
+    layer.train(train)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    xa = x.clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    out = layer(xa)
+    grads = grads_of(layer, xa, out)
+    layer.load_state_dict(state)        # undo buffer updates (BalancedGate's bias) before the oracle
+    xb = x.clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    ref, _ = per_token_moe(layer, xb)
+    ref_grads = grads_of(layer, xb, ref)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    return out
+
+
+@pytest.mark.parametrize("gate,top_k", GATE_TOPK)
+@pytest.mark.parametrize("num_expert", [4, 16])
+def test_gates_match_oracle_fp32(gate, top_k, num_expert):
+    layer = make_layer(gate, top_k, num_expert)
+    x = torch.randn(2, 13, 8)
+    assert_matches_oracle(layer, x, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gate,top_k", [("noisy", 2), ("gshard", 2), ("switch", 1), ("balanced", 2)])
+def test_training_mode_randomness_matches_oracle(gate, top_k):
+    layer = make_layer(gate, top_k, 4)
+    assert_matches_oracle(layer, torch.randn(37, 8), atol=1e-5, rtol=1e-5, train=True)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 256])
+def test_token_counts(num_tokens):
+    layer = make_layer("naive", 2, 4)
+    assert_matches_oracle(layer, torch.randn(num_tokens, 8), atol=1e-5, rtol=1e-5)
+
+
+def test_one_expert():
+    layer = make_layer("naive", 1, 1)
+    assert_matches_oracle(layer, torch.randn(9, 8), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["relu", "swiglu", nn.GELU(), torch.tanh])
+def test_activations(activation):
+    layer = make_layer("naive", 2, 4, activation=activation)
+    assert_matches_oracle(layer, torch.randn(11, 8), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_bf16(top_k):
+    layer = make_layer("naive", top_k, 4, d_model=16, d_hidden=32, dtype=torch.bfloat16)
+    assert_matches_oracle(layer, torch.randn(19, 16).bfloat16(), atol=5e-2, rtol=5e-2)
+
+
+def test_all_tokens_on_one_expert_others_empty():
+    layer = make_layer("naive", 1, 4)
+    with torch.no_grad():
+        layer.gate.gate.proj.weight.zero_()
+        layer.gate.gate.proj.bias.copy_(torch.tensor([0.0, 0.0, 5.0, 0.0]))
+    x = torch.randn(10, 8)
+    assert_matches_oracle(layer, x, atol=1e-5, rtol=1e-5)
+    assert layer.last_counts_E.tolist() == [0, 0, 10, 0]
+    grads = grads_of(layer, x.requires_grad_(True), layer(x))
+    assert torch.all(grads["experts.w1_eDF"][[0, 1, 3]] == 0)
+
+
+class TinyExpert(nn.Module):
+    def __init__(self, d_model):
+        super().__init__()
+        self.fc = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) * 2
+
+
+def test_user_expert_class():
+    torch.manual_seed(0)
+    layer = fmoe.FMoE(num_expert=3, d_model=8, top_k=2, expert=TinyExpert)
+    assert_matches_oracle(layer, torch.randn(14, 8), atol=1e-5, rtol=1e-5)
+
+
+def test_any_leading_shape_and_fmoelinear():
+    layer = make_layer("naive", 2, 4)
+    x = torch.randn(2, 3, 4, 8)
+    assert layer(x).shape == x.shape
+    lin = fmoe.FMoELinear(3, 8, 5)
+    counts = torch.tensor([2, 0, 4])
+    inp = torch.randn(6, 8)
+    ref = torch.cat([inp[:2] @ lin.weight[0].T + lin.bias[0], inp[2:] @ lin.weight[2].T + lin.bias[2]])
+    torch.testing.assert_close(lin(inp, counts), ref)
+
+
+def test_bitwise_deterministic():
+    outs = []
+    for _ in range(2):
+        layer = make_layer("noisy", 2, 8).train()
+        torch.manual_seed(3)
+        x = torch.randn(64, 8, requires_grad=True)
+        y = layer(x)
+        y.square().sum().backward()
+        outs.append((y.detach(), x.grad, layer.experts.w1_eDF.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_collect_aux_loss_sums_layers():
+    model = nn.Sequential(make_layer("gshard", 2, 4), make_layer("switch", 1, 4, seed=1))
+    x = torch.randn(16, 8)
+    model(x)
+    expected = model[0].aux_loss + model[1].aux_loss
+    torch.testing.assert_close(fmoe.collect_aux_loss(model), expected)
+    assert model[0].gate.get_loss() is not None and not model[0].gate.has_loss
