@@ -6,6 +6,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fmoe import kernels
+from fmoe.distributed import exchange
+from fmoe.distributed.check import check_expert_parallel_config
 from fmoe.experts import GroupedExperts, ModuleListExperts
 from fmoe.gates import NaiveGate, make_gate
 from fmoe.routing import RoutingPlan
@@ -72,6 +74,13 @@ class FMoE(nn.Module):
         self.aux_loss = None
         self.last_counts_E = None
         self.last_num_dropped = None
+        self.checked_with_peers = False
+
+    @property
+    def moe_rank(self) -> int:
+        """This rank's place in the expert-parallel group: it holds experts
+        [moe_rank * num_expert, (moe_rank + 1) * num_expert)."""
+        return dist.get_rank(self.moe_group) if self.world_size > 1 else 0
 
     def check_input(self, x):
         if not isinstance(x, torch.Tensor):
@@ -83,20 +92,25 @@ class FMoE(nn.Module):
 
     def forward(self, x):
         self.check_input(x)
+        if self.world_size > 1 and not self.checked_with_peers:
+            check_expert_parallel_config(self)
+            self.checked_with_peers = True
         x_TD = x.reshape(-1, self.d_model)
         routing = self.gate(x_TD)
         if self.gate_hook is not None:
             self.gate_hook(routing.expert_idx_TK, routing.weight_TK, None)
-        plan = RoutingPlan.build(routing.expert_idx_TK, self.tot_expert)
+        plan = RoutingPlan.build(routing.expert_idx_TK, self.tot_expert, self.world_size, self.moe_group)
         x_ND = kernels.permute(x_TD, plan, self.backend)
-        y_ND = self.experts(x_ND, plan.counts_E)
+        x_RD = exchange.dispatch(x_ND, plan)                # identity on one rank
+        y_RD = self.experts(x_RD, plan.local_counts_e)
+        y_ND = exchange.combine(y_RD, plan)
         y_TD = kernels.unpermute(y_ND, plan, routing.weight_TK, self.backend)
         self.record(routing, plan)
         return y_TD.reshape(x.shape)
 
     def record(self, routing, plan):
         self.aux_loss = routing.aux_loss
-        self.last_counts_E = plan.counts_E.detach()
+        self.last_counts_E = plan.counts_E.detach()     # rows this rank sent to each expert
         self.last_num_dropped = routing.num_dropped
 
     @property

@@ -1,7 +1,10 @@
 """RoutingPlan: everything data movement needs, derived once per forward from the routing."""
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from fmoe.distributed.exchange import ExchangePlan, build_exchange_plan
 
 
 @dataclass
@@ -19,9 +22,17 @@ class RoutingPlan:
     token_N: torch.Tensor           # token of each row
     row_of_slot_TK: torch.Tensor    # row of each slot, -1 where the slot was dropped
     counts_E: torch.Tensor          # rows per expert (global ids)
+    exchange: Optional[ExchangePlan] = None   # splits and order across ranks; None on one rank
+
+    @property
+    def local_counts_e(self) -> torch.Tensor:
+        """Rows each expert of this rank computes (from every rank)."""
+        return self.counts_E if self.exchange is None else self.exchange.local_counts_e
 
     @classmethod
-    def build(cls, expert_idx_TK: torch.Tensor, num_experts: int) -> "RoutingPlan":
+    def build(cls, expert_idx_TK: torch.Tensor, num_experts: int, world_size: int = 1,
+              group=None) -> "RoutingPlan":
+        """Sort slots by expert; with `world_size` > 1, also agree on the exchange with the other ranks."""
         T, K = expert_idx_TK.shape
         idx_S = expert_idx_TK.reshape(-1)
         # Dropped slots sort last under key `num_experts` and are cut off.
@@ -40,4 +51,5 @@ class RoutingPlan:
             token_N=torch.div(slot_N, K, rounding_mode="floor"),
             row_of_slot_TK=row_of_slot_S.view(T, K),
             counts_E=counts_E,
+            exchange=build_exchange_plan(counts_E, world_size, group) if world_size > 1 else None,
         )
