@@ -216,3 +216,21 @@ def reshard_stage(rank, world, stage, workdir):
     save_checkpoint(f"{workdir}/ckpt{stage}", model, opt, extra={"step": torch.tensor(2)})
     next_loss = step(*data[2])
     assert abs(next_loss - reference["next_loss"]) < 1e-6, (stage, next_loss, reference["next_loss"])
+
+
+def check_missing_rank_times_out(rank, world):
+    import os
+    import time
+    os.environ["FMOE_CHECK_TIMEOUT"] = "3"
+    layer = fmoe.FMoETransformerMLP(num_expert=2, d_model=D, d_hidden=H, top_k=2, world_size=world)
+    if rank == 1:
+        time.sleep(6)        # never joins the forward
+        return
+    start = time.time()
+    try:
+        layer(torch.randn(4, D))
+    except RuntimeError as err:
+        assert "did not" in str(err) or "not every rank" in str(err), err
+        assert time.time() - start < 30
+    else:
+        raise AssertionError("a missing rank did not raise")

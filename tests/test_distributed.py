@@ -24,3 +24,7 @@ def test_checkpoint_reshards_4_2_1_4(tmp_path):
     run_ranks(dist_workers.reshard_stage, 2, 1, str(tmp_path))
     dist_workers.reshard_stage(0, 1, 2, str(tmp_path))
     run_ranks(dist_workers.reshard_stage, 4, 3, str(tmp_path))
+
+
+def test_missing_rank_fails_with_a_message_not_a_hang():
+    run_ranks(dist_workers.check_missing_rank_times_out, 2)
