@@ -97,8 +97,12 @@ class GroupedExperts(nn.Module):
         return self.activation(h_NF)
 
     def forward(self, x_ND, counts_e):
-        h_NF = kernels.grouped_mm(x_ND, self.w1_eDF, counts_e, self.b1_eF, self.backend)
-        return kernels.grouped_mm(self.act(h_NF), self.w2_eFD, counts_e, self.b2_eD, self.backend)
+        return self.run(x_ND, counts_e, self.w1_eDF, self.w2_eFD, self.b1_eF, self.b2_eD)
+
+    def run(self, x_ND, counts_e, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
+        """The experts' MLP with the given stacked weights (shadowing passes pulled ones)."""
+        h_NF = kernels.grouped_mm(x_ND, w1_eDF, counts_e, b1_eF, self.backend)
+        return kernels.grouped_mm(self.act(h_NF), w2_eFD, counts_e, b2_eD, self.backend)
 
     def expert_forward(self, e: int, x_TD):
         """Expert `e` alone on a batch of tokens: the per-token reference uses this."""

@@ -8,6 +8,7 @@ from torch import nn
 from fmoe import kernels
 from fmoe.distributed import exchange
 from fmoe.distributed.check import check_expert_parallel_config
+from fmoe.distributed.shadow import make_shadow_policy, shadowed_experts_forward
 from fmoe.experts import GroupedExperts, ModuleListExperts
 from fmoe.gates import NaiveGate, make_gate
 from fmoe.routing import RoutingPlan
@@ -35,14 +36,15 @@ class FMoE(nn.Module):
 
     `num_expert` experts live on each of `world_size` ranks. Experts are either `expert` (a
     module class, instantiated per expert as `expert(d_model)`, or a list of classes) or, with
-    `d_hidden`, stacked MLP experts that run as grouped GEMMs. Input of any shape
+    `d_hidden`, stacked MLP experts that run as grouped GEMMs. `shadow` (True, a ShadowPolicy, or
+    FMOE_FASTER_SHADOW_ENABLE=1) turns on FasterMoE's shadowing of hot experts. Input of any shape
     [..., d_model]; output the same shape. After every forward the layer holds `aux_loss`,
     `num_dropped` and `last_counts_E` (rows each expert received).
     """
 
     def __init__(self, num_expert=32, d_model=1024, world_size=1, moe_group=None, top_k=2, gate=NaiveGate,
                  expert=None, gate_hook=None, gate_bias=True, d_hidden=None, activation="gelu",
-                 expert_bias=True, gate_kwargs=None, backend: Optional[str] = None):
+                 expert_bias=True, gate_kwargs=None, backend: Optional[str] = None, shadow=None):
         super().__init__()
         if not isinstance(d_model, int) or d_model < 1:
             raise ValueError(f"d_model must be a positive int, got {d_model!r}")
@@ -70,6 +72,8 @@ class FMoE(nn.Module):
         else:
             raise ValueError("FMoE needs its experts: pass expert= (a module class) or d_hidden= (stacked MLP experts)")
         mark_expert_parameters(self.experts)
+        self.shadow_policy = make_shadow_policy(shadow, d_model, d_hidden if expert is None else None,
+                                                self.world_size)
         self.gate_hook = gate_hook
         self.aux_loss = None
         self.last_counts_E = None
@@ -99,14 +103,26 @@ class FMoE(nn.Module):
         routing = self.gate(x_TD)
         if self.gate_hook is not None:
             self.gate_hook(routing.expert_idx_TK, routing.weight_TK, None)
-        plan = RoutingPlan.build(routing.expert_idx_TK, self.tot_expert, self.world_size, self.moe_group)
+        plan = RoutingPlan.build(routing.expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
+                                 self.shadow_policy)
         x_ND = kernels.permute(x_TD, plan, self.backend)
-        x_RD = exchange.dispatch(x_ND, plan)                # identity on one rank
-        y_RD = self.experts(x_RD, plan.local_counts_e)
-        y_ND = exchange.combine(y_RD, plan)
+        y_ND = self.run_experts(x_ND, plan)
         y_TD = kernels.unpermute(y_ND, plan, routing.weight_TK, self.backend)
         self.record(routing, plan)
         return y_TD.reshape(x.shape)
+
+    def run_experts(self, x_ND, plan: RoutingPlan):
+        """Rows in expert order -> expert outputs in the same order, wherever the experts live."""
+        if plan.exchange is None:
+            return self.experts(x_ND, plan.counts_E)
+        x_sent, x_home = x_ND.split([x_ND.shape[0] - plan.num_shadow_rows, plan.num_shadow_rows])
+        x_RD = exchange.dispatch(x_sent, plan)
+        y_RD = self.experts(x_RD, plan.local_counts_e)
+        y_sent = exchange.combine(y_RD, plan)
+        if plan.shadow is None:
+            return y_sent
+        y_home = shadowed_experts_forward(self.experts, x_home, plan.shadow, self.num_expert, self.moe_group)
+        return torch.cat([y_sent, y_home])
 
     def record(self, routing, plan):
         self.aux_loss = routing.aux_loss

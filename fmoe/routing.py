@@ -5,6 +5,7 @@ from typing import Optional
 import torch
 
 from fmoe.distributed.exchange import ExchangePlan, build_exchange_plan
+from fmoe.distributed.shadow import ShadowPlan
 
 
 @dataclass
@@ -13,6 +14,7 @@ class RoutingPlan:
 
     A *slot* is one (token, k) pair, numbered `t * K + k`; a *row* is a kept slot placed in
     expert order (stable: token order within an expert). Dropped slots (expert -1) get no row.
+    With shadowed experts, their rows come last, after the rows that travel, in shadow order.
     """
 
     num_tokens: int
@@ -23,26 +25,47 @@ class RoutingPlan:
     row_of_slot_TK: torch.Tensor    # row of each slot, -1 where the slot was dropped
     counts_E: torch.Tensor          # rows per expert (global ids)
     exchange: Optional[ExchangePlan] = None   # splits and order across ranks; None on one rank
+    shadow: Optional[ShadowPlan] = None       # experts computed at home with pulled parameters
 
     @property
     def local_counts_e(self) -> torch.Tensor:
         """Rows each expert of this rank computes (from every rank)."""
         return self.counts_E if self.exchange is None else self.exchange.local_counts_e
 
+    @property
+    def num_shadow_rows(self) -> int:
+        return 0 if self.shadow is None else self.shadow.num_rows
+
     @classmethod
     def build(cls, expert_idx_TK: torch.Tensor, num_experts: int, world_size: int = 1,
-              group=None) -> "RoutingPlan":
-        """Sort slots by expert; with `world_size` > 1, also agree on the exchange with the other ranks."""
+              group=None, shadow_policy=None) -> "RoutingPlan":
+        """Sort slots by expert; with `world_size` > 1, also agree with the other ranks on the
+        exchange and, given a shadow policy, on the experts to shadow."""
         T, K = expert_idx_TK.shape
         idx_S = expert_idx_TK.reshape(-1)
-        # Dropped slots sort last under key `num_experts` and are cut off.
-        key_S = torch.where(idx_S >= 0, idx_S, torch.full_like(idx_S, num_experts))
+        live_S = idx_S >= 0
+        counts_E = torch.bincount(idx_S[live_S], minlength=num_experts)
+        shadow = None
+        # Sort key: the expert id; shadowed experts after all others, dropped slots last.
+        key_of_E = torch.arange(num_experts, device=idx_S.device)
+        if shadow_policy is not None and world_size > 1:
+            experts_S = shadow_policy.choose(counts_E, world_size, group)
+            if experts_S:
+                shadowed = torch.tensor(experts_S, device=idx_S.device)
+                key_of_E[shadowed] = num_experts + torch.arange(len(experts_S), device=idx_S.device)
+                shadow = ShadowPlan(experts_S, counts_E[shadowed])
+        key_S = torch.where(live_S, key_of_E[idx_S.clamp_min(0)], torch.full_like(idx_S, 2 * num_experts))
         order_S = torch.sort(key_S, stable=True).indices
-        counts_E = torch.bincount(key_S, minlength=num_experts + 1)[:num_experts]
         num_rows = int(counts_E.sum()) if idx_S.numel() else 0
         slot_N = order_S[:num_rows]
         row_of_slot_S = torch.full_like(idx_S, -1)
         row_of_slot_S[slot_N] = torch.arange(num_rows, device=idx_S.device)
+        exchange = None
+        if world_size > 1:
+            sent_counts_E = counts_E.clone()
+            if shadow is not None:
+                sent_counts_E[torch.tensor(shadow.experts_S, device=idx_S.device)] = 0
+            exchange = build_exchange_plan(sent_counts_E, world_size, group)
         return cls(
             num_tokens=T,
             top_k=K,
@@ -51,5 +74,6 @@ class RoutingPlan:
             token_N=torch.div(slot_N, K, rounding_mode="floor"),
             row_of_slot_TK=row_of_slot_S.view(T, K),
             counts_E=counts_E,
-            exchange=build_exchange_plan(counts_E, world_size, group) if world_size > 1 else None,
+            exchange=exchange,
+            shadow=shadow,
         )

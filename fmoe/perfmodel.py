@@ -1,0 +1,105 @@
+"""FasterMoE's performance model (PPoPP'22, section 4.1) and its shadowing policy.
+
+With H = d_model, alpha = d_hidden / d_model, P the compute throughput (FLOP/s) and W_net the
+network bandwidth per worker (bytes/s), a worker that processes B rows spends
+
+    compute(B) = 3 * 4 * B * alpha * H^2 / P       (two GEMMs of 2*B*H*alpha*H FLOPs; x3 fwd+bwd)
+    traffic(B) = 4 * B * H * s / W_net             (rows out and back, forward and backward)
+
+with s the bytes per element. The layer takes as long as its slowest worker. Shadowing r
+experts moves their rows home (loads B -> B') and costs a broadcast of their parameters and a
+reduction of their gradients: 2 * r * 2 * alpha * H^2 * s / W_net.
+"""
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import List, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class PerfModel:
+    d_model: int
+    d_hidden: int
+    flops: float = 11.5e12          # P: compute throughput, FLOP/s
+    net_bandwidth: float = 50e9 / 8  # W_net: bytes/s per worker
+    bytes_per_element: int = 4
+
+    @property
+    def alpha(self) -> float:
+        return self.d_hidden / self.d_model
+
+    @classmethod
+    def from_env(cls, d_model: int, d_hidden: int, bytes_per_element: int = 4) -> "PerfModel":
+        """FastMoE's environment knobs: FMOE_FASTER_GLBPLC_GPUTP (FLOP/s), FMOE_FASTER_GLBPLC_NETBW (bytes/s)."""
+        return cls(d_model, d_hidden, flops=float(os.environ.get("FMOE_FASTER_GLBPLC_GPUTP", 11.5e12)),
+                   net_bandwidth=float(os.environ.get("FMOE_FASTER_GLBPLC_NETBW", 50e9 / 8)),
+                   bytes_per_element=bytes_per_element)
+
+    def compute_time(self, rows) -> float:
+        return 3 * 4 * rows * self.alpha * self.d_model ** 2 / self.flops
+
+    def traffic_time(self, rows) -> float:
+        return 4 * rows * self.d_model * self.bytes_per_element / self.net_bandwidth
+
+    def shadow_cost(self, num_shadowed: int) -> float:
+        """Broadcast of the parameters and reduction of the gradients of the shadowed experts."""
+        return 2 * num_shadowed * 2 * self.alpha * self.d_model ** 2 * self.bytes_per_element / self.net_bandwidth
+
+    def worker_rows(self, counts_WE: torch.Tensor, shadowed: Sequence[int] = ()) -> torch.Tensor:
+        """Rows each worker processes: its experts' rows from everyone, plus its own rows for the
+        shadowed experts (which then no longer come to their owner)."""
+        W, E = counts_WE.shape
+        load_E = counts_WE.sum(0).double()
+        home = torch.zeros(E, dtype=torch.bool)
+        home[list(shadowed)] = True
+        owned_WE = torch.zeros(W, E, dtype=torch.bool)
+        owned_WE[torch.arange(E) // (E // W), torch.arange(E)] = True
+        remote_W = ((owned_WE & ~home).double() * load_E).sum(1)
+        local_W = (counts_WE.double() * home.double()).sum(1)
+        return remote_W + local_W
+
+    def layer_time(self, counts_WE: torch.Tensor, shadowed: Sequence[int] = ()) -> float:
+        """Modelled time of the layer: Lat_imbl with no shadowed experts, Lat_shadow(r) otherwise."""
+        rows_W = self.worker_rows(counts_WE, shadowed)
+        slowest = max(self.compute_time(float(b)) + self.traffic_time(float(b)) for b in rows_W)
+        return slowest + self.shadow_cost(len(shadowed))
+
+    def choose_shadowed(self, counts_WE: torch.Tensor) -> List[int]:
+        """Algorithm 1: hottest experts first, shadowed one by one while the modelled time falls."""
+        order = torch.argsort(counts_WE.sum(0), descending=True, stable=True).tolist()
+        chosen: List[int] = []
+        best = self.layer_time(counts_WE)
+        for e in order:
+            trial = self.layer_time(counts_WE, chosen + [e])
+            if trial >= best:
+                break
+            chosen.append(e)
+            best = trial
+        return chosen
+
+
+def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5) -> PerfModel:
+    """Measure this machine's matmul FLOP/s and, when distributed, all-to-all bytes/s."""
+    import torch.distributed as dist
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    flops = 2 * size ** 3 * reps / (time.perf_counter() - start)
+    bandwidth = model.net_bandwidth
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        buf = torch.randn(size * 256)
+        out = torch.empty_like(buf)
+        dist.all_to_all_single(out, buf, group=group)
+        start = time.perf_counter()
+        for _ in range(reps):
+            dist.all_to_all_single(out, buf, group=group)
+        bandwidth = buf.numel() * buf.element_size() * reps / (time.perf_counter() - start)
+        both = torch.tensor([flops, bandwidth], dtype=torch.double)
+        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)   # everyone must use the same model
+        flops, bandwidth = both.tolist()
+    return replace(model, flops=flops, net_bandwidth=bandwidth)

@@ -1,0 +1,90 @@
+"""Worker bodies for FasterMoE shadowing and scheduling: on and off must give the same numbers."""
+import torch
+import torch.distributed as dist
+
+import fmoe
+from fmoe.distributed.shadow import ShadowPolicy
+from fmoe.perfmodel import PerfModel
+
+D, H = 8, 16
+
+
+class FixedShadow(ShadowPolicy):
+    """Shadows the given experts every step, whatever the model says."""
+
+    def __init__(self, experts):
+        super().__init__(PerfModel(D, H))
+        self.experts = experts
+
+    def choose(self, counts_E, world_size, group=None):
+        self.gather_counts(counts_E, world_size, group)     # still a collective, as in real use
+        return list(self.experts)
+
+
+def build(world, e, top_k, hot, **kw):
+    torch.manual_seed(0)
+    layer = fmoe.FMoETransformerMLP(num_expert=e, d_model=D, d_hidden=H, top_k=top_k, world_size=world, **kw)
+    with torch.no_grad():
+        bias = torch.zeros(e * world)
+        bias[hot] = 3.0
+        layer.gate.gate.proj.bias.copy_(bias)
+    return layer
+
+
+def compare_variants(rank, world, top_k, hot, make_variant):
+    """The plain expert-parallel layer against `make_variant(...)`: outputs, all gradients, and
+    parameters after one SGD step."""
+    e = 2
+    results = []
+    for variant in (False, True):
+        layer = make_variant(world, e, top_k, hot) if variant else build(world, e, top_k, hot)
+        # Rank r's experts start from the same weights in both variants.
+        torch.manual_seed(10 + rank)
+        with torch.no_grad():
+            for p in layer.experts.parameters():
+                p.copy_(torch.randn_like(p) * 0.3)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(12 + 3 * rank, D, generator=g).requires_grad_(True)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+        out = layer(x)
+        (out * torch.randn(out.shape, generator=g)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+        opt.step()
+        params = {n: p.detach().clone() for n, p in layer.named_parameters()}
+        results.append((out.detach(), x.grad, grads, params, layer))
+    (out0, dx0, g0, p0, _), (out1, dx1, g1, p1, layer1) = results
+    ctx = f"rank {rank}/{world} top{top_k} hot{hot}"
+    torch.testing.assert_close(out1, out0, atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} out: {m}")
+    torch.testing.assert_close(dx1, dx0, atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} dx: {m}")
+    assert g0.keys() == g1.keys(), (ctx, g0.keys(), g1.keys())
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} grad {n}: {m}")
+    for n in p0:
+        torch.testing.assert_close(p1[n], p0[n], atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} param {n}: {m}")
+    return layer1
+
+
+def check_shadowing_equals_plain(rank, world):
+    E = 2 * world
+    for top_k, hot in ((1, [0]), (2, [0, E - 1]), (2, [1, E - 2])):
+        layer = compare_variants(rank, world, top_k, hot,
+                                 lambda w, e, k, h: build(w, e, k, h, shadow=FixedShadow(h)))
+        assert layer.num_dropped == 0
+
+
+def check_policy_shadows_a_hot_expert(rank, world):
+    """The real policy, with a model where shadowing pays, picks the hot expert and the layer still
+    equals the plain one."""
+    policy = ShadowPolicy(PerfModel(D, H, flops=1e6, net_bandwidth=1e12))
+    chosen = []
+
+    class Recording(ShadowPolicy):
+        def choose(self, counts_E, world_size, group=None):
+            chosen.append(policy.choose(counts_E, world_size, group))
+            return chosen[-1]
+
+    compare_variants(rank, world, 1, [0], lambda w, e, k, h: build(w, e, k, h, shadow=Recording(policy.model)))
+    assert chosen and 0 in chosen[0], chosen
+    everyone = [None] * world
+    dist.all_gather_object(everyone, chosen[0])
+    assert all(c == chosen[0] for c in everyone), everyone
