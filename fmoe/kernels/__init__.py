@@ -1,4 +1,4 @@
-"""The kernel seam: `permute`, `unpermute`, `grouped_mm`, each with a torch and a Triton backend.
+"""The kernel seam: `permute`, `unpermute`, `grouped_mm` (and the fused `gather_grouped_mm`), torch or Triton.
 
 Triton is chosen for CUDA tensors when it imports, torch elsewhere; `backend=` or the
 environment variable `FMOE_BACKEND=torch|triton` force one.
@@ -82,3 +82,14 @@ def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
                bias_eO: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
     """Rows sorted by expert, `counts_e[e]` of them for expert e: y = x_seg @ w_eIO[e] + bias_eO[e]."""
     return _ops(x_NI, backend).grouped_mm(x_NI, w_eIO, counts_e, bias_eO)
+
+
+def gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
+                      row_of_slot_TK: torch.Tensor, bias_eO: Optional[torch.Tensor] = None,
+                      backend: Optional[str] = None) -> torch.Tensor:
+    """grouped_mm(permute(x_TD, plan), w_eIO, counts_e, bias_eO), given plan.token_N and plan.row_of_slot_TK.
+
+    On Triton the GEMM reads x_TD's rows through token_N, so the permuted copy never exists; the
+    backward sums each token's K row gradients in a fixed order, as permute's does.
+    """
+    return _ops(x_TD, backend).gather_grouped_mm(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, bias_eO)

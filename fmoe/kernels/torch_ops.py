@@ -156,6 +156,6 @@ def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
 
 
 def gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
-                      row_of_slot_TK: torch.Tensor) -> torch.Tensor:
+                      row_of_slot_TK: torch.Tensor, bias_eO: Optional[torch.Tensor] = None) -> torch.Tensor:
     """grouped_mm of the rows x_TD[token_N]: here the permuted copy is made, Triton reads in place."""
-    return grouped_mm(Permute.apply(x_TD, token_N, row_of_slot_TK), w_eIO, counts_e)
+    return grouped_mm(Permute.apply(x_TD, token_N, row_of_slot_TK), w_eIO, counts_e, bias_eO)

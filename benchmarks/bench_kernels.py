@@ -1,0 +1,252 @@
+"""The expert kernels beside their competitors, in one process, in bf16 on a GPU.
+
+    python benchmarks/bench_kernels.py            # full shapes, CUDA
+    python benchmarks/bench_kernels.py --quick    # tiny shapes; on CPU the kernels run in Triton's interpreter
+
+Sections:
+  grouped_mm   Triton grouped GEMM, torch._grouped_mm, one dense cuBLAS matmul over the same rows
+               (the ceiling) and a per-expert loop: forward, then forward+backward (Triton, torch path,
+               dense). Shapes Mixtral-like, DeepSeek-like and DeepSeek-like with Zipf-skewed counts.
+  fused_gather The first expert GEMM reading x_TD through token_N (gather_grouped_mm) against
+               permute + grouped_mm, both Triton, and the torch path.
+  layer        FMoETransformerMLP forward+backward (Triton and torch backends) against a dense FFN
+               doing the same FLOPs.
+Prints tables with TFLOP/s and ratios, writes benchmarks/results/kernels-<gpu name>.json.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # must precede importing the kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fmoe  # noqa: E402
+from common import RESULTS, RoundRobinGate, machine  # noqa: E402
+from fmoe.kernels import torch_ops, triton_ops  # noqa: E402
+from fmoe.kernels.triton_grouped_mm import _grouped_mm_kernel, _launcher, interpreting  # noqa: E402
+from fmoe.routing import RoutingPlan  # noqa: E402
+
+# (name, rows N, in I, out O, experts E, count distribution)
+GEMM_SHAPES = [("mixtral", 16384, 4096, 14336, 8, "uniform"), ("deepseek", 65536, 2048, 1408, 64, "uniform"),
+               ("deepseek_skewed", 65536, 2048, 1408, 64, "zipf")]
+# (name, tokens T, top-k K, d_model D, d_hidden F, experts E)
+GATHER_SHAPES = [("mixtral", 8192, 2, 4096, 14336, 8), ("deepseek", 8192, 8, 2048, 1408, 64)]
+LAYER_SHAPES = [("mixtral", 8192, 2, 4096, 14336, 8)]
+QUICK_GEMM = [("tiny", 64, 32, 32, 4, "uniform"), ("tiny_skewed", 64, 32, 32, 4, "zipf")]
+QUICK_GATHER = [("tiny", 32, 2, 32, 32, 4)]
+QUICK_LAYER = [("tiny", 16, 2, 16, 32, 4)]
+
+
+def timer(quick: bool):
+    """ms per call of fn(): triton's do_bench (CUDA events, median) on a GPU; elsewhere (--quick on
+    CPU, where it only exercises the script) the wall time of one call after a warm-up."""
+    if torch.cuda.is_available():
+        import triton.testing
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=10 if quick else 100, return_mode="median")
+
+    def wall(fn):
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return wall
+
+
+def split_counts(N: int, E: int, dist: str, device) -> torch.Tensor:
+    """Rows per expert: N/E each, or Zipf(1.2) shares with the remainder on the first expert."""
+    if dist == "uniform":
+        counts = [N // E] * E
+    else:
+        shares = [1 / (e + 1) ** 1.2 for e in range(E)]
+        counts = [math.floor(N * s / sum(shares)) for s in shares]
+    counts[0] += N - sum(counts)
+    return torch.tensor(counts, device=device)
+
+
+def run_all(fns: dict, bench) -> dict:
+    """{name: {"ms": ...}} or {"error": ...} for competitors this machine cannot run."""
+    out = {}
+    for name, fn in fns.items():
+        try:
+            out[name] = {"ms": bench(fn)}
+        except (RuntimeError, NotImplementedError, ValueError) as err:
+            out[name] = {"error": str(err).splitlines()[0][:200]}
+    return out
+
+
+def add_rates(results: dict, flops: float, baseline: str):
+    """TFLOP/s of each row, and how many times faster the baseline is than the row."""
+    base = results[baseline].get("ms")
+    for row in results.values():
+        if "ms" in row:
+            row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+            row[baseline + "_speedup"] = row["ms"] / base if base else None
+
+
+def print_table(title: str, results: dict, baseline: str):
+    print(f"\n{title}")
+    print(f"  {'':22s}{'ms':>10s}{'TFLOP/s':>10s}{baseline + ' is':>22s}")
+    for name, row in results.items():
+        if "error" in row:
+            print(f"  {name:22s}  unavailable: {row['error']}")
+        else:
+            print(f"  {name:22s}{row['ms']:10.3f}{row['tflops']:10.1f}{row[baseline + '_speedup']:21.2f}x")
+
+
+def grads_fn(fn, inputs, grad_out):
+    """fn() forward + backward for `inputs`, no gradient accumulation between calls."""
+    return lambda: torch.autograd.grad(fn(), inputs, grad_out)
+
+
+def relative_error(out, ref) -> dict:
+    diff = (out.float() - ref.float()).abs().max().item() if out.numel() else 0.0
+    scale = ref.float().abs().max().item() if ref.numel() else 0.0
+    return {"max_abs_err": diff, "max_rel_err": diff / scale if scale else diff}
+
+
+def bench_grouped_mm(shapes, dtype, device, bench):
+    rows = []
+    for name, N, I, O, E, dist in shapes:
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(N, I, device=device, dtype=dtype, generator=gen)
+        w = torch.randn(E, I, O, device=device, dtype=dtype, generator=gen) / I ** 0.5
+        counts = split_counts(N, E, dist, device)
+        dy = torch.randn(N, O, device=device, dtype=dtype, generator=gen)
+        with torch.no_grad():
+            y = triton_ops.grouped_mm(x, w, counts)
+            ref = torch.cat([x_e @ w[e] for e, x_e in enumerate(torch.split(x, counts.tolist()))])
+        fwd = run_all({
+            "triton": lambda: triton_ops.grouped_mm(x, w, counts),
+            "torch_grouped_mm": lambda: torch._grouped_mm(x, w, offs=torch.cumsum(counts, 0, dtype=torch.int32)),
+            "dense_cublas": lambda: x @ w[0],
+            "expert_loop": lambda: [x_e @ w[e] for e, x_e in enumerate(torch.split(x, counts.tolist()))],
+        }, bench)
+        flops = 2.0 * N * I * O
+        add_rates(fwd, flops, "triton")
+        print_table(f"grouped_mm forward, {name}: N={N} {I}->{O}, E={E}, {dist} counts", fwd, "triton")
+        xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+        fwd_bwd = run_all({
+            "triton": grads_fn(lambda: triton_ops.grouped_mm(xg, wg, counts), [xg, wg], dy),
+            "torch_path": grads_fn(lambda: torch_ops.grouped_mm(xg, wg, counts), [xg, wg], dy),
+            "dense_cublas": grads_fn(lambda: xg @ wg[0], [xg, wg], dy),
+        }, bench)
+        add_rates(fwd_bwd, 3 * flops, "triton")
+        print_table(f"grouped_mm forward+backward, {name}", fwd_bwd, "triton")
+        config = _launcher(_grouped_mm_kernel, x.device).best_config
+        rows.append({"shape": name, "rows": N, "in": I, "out": O, "experts": E, "counts": dist,
+                     "counts_e": counts.tolist(), "triton_config": str(config), **relative_error(y, ref),
+                     "results": fwd, "fwd_bwd": fwd_bwd})
+    return rows
+
+
+def random_plan(T, K, E, device):
+    gen = torch.Generator(device=device).manual_seed(1)
+    idx_TK = torch.rand(T, E, device=device, generator=gen).topk(K, dim=1).indices
+    return RoutingPlan.build(idx_TK, E)
+
+
+def bench_fused_gather(shapes, dtype, device, bench):
+    rows = []
+    for name, T, K, D, F_, E in shapes:
+        plan = random_plan(T, K, E, device)
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(T, D, device=device, dtype=dtype, generator=gen, requires_grad=True)
+        w = (torch.randn(E, D, F_, device=device, dtype=dtype, generator=gen) / D ** 0.5).requires_grad_()
+        dy = torch.randn(plan.num_rows, F_, device=device, dtype=dtype, generator=gen)
+        args = (plan.token_N, w, plan.counts_E, plan.row_of_slot_TK)
+
+        def materialized():
+            return triton_ops.grouped_mm(triton_ops.permute(x, plan), w, plan.counts_E)
+
+        with torch.no_grad():
+            err = relative_error(triton_ops.gather_grouped_mm(x, *args), materialized())
+        fns = {
+            "fused_gather": lambda: triton_ops.gather_grouped_mm(x, *args),
+            "permute_then_gemm": materialized,
+            "torch_path": lambda: torch_ops.gather_grouped_mm(x, *args),
+        }
+        with torch.no_grad():
+            fwd = run_all(fns, bench)
+        fwd_bwd = run_all({k: grads_fn(fn, [x, w], dy) for k, fn in fns.items()}, bench)
+        flops = 2.0 * plan.num_rows * D * F_
+        add_rates(fwd, flops, "fused_gather")
+        add_rates(fwd_bwd, 3 * flops, "fused_gather")
+        print_table(f"first expert GEMM forward, {name}: T={T} top-{K} {D}->{F_}, E={E}", fwd, "fused_gather")
+        print_table(f"first expert GEMM forward+backward, {name}", fwd_bwd, "fused_gather")
+        rows.append({"shape": name, "tokens": T, "top_k": K, "in": D, "out": F_, "experts": E, **err,
+                     "results": fwd, "fwd_bwd": fwd_bwd})
+    return rows
+
+
+def bench_layer(shapes, dtype, device, bench):
+    rows = []
+    for name, T, K, D, F_, E in shapes:
+        torch.manual_seed(0)
+        with torch.device(device):     # initialise the weights where they live
+            layers = {backend: fmoe.FMoETransformerMLP(num_expert=E, d_model=D, d_hidden=F_, top_k=K,
+                                                       gate=RoundRobinGate, backend=backend).to(dtype)
+                      for backend in ("triton", "torch")}
+            dense = nn.Sequential(nn.Linear(D, F_), nn.GELU(), nn.Linear(F_, D)).to(dtype)
+        layers["torch"].load_state_dict(layers["triton"].state_dict())
+        x = torch.randn(T, D, device=device, dtype=dtype, requires_grad=True)
+        x_dense = torch.randn(T * K, D, device=device, dtype=dtype, requires_grad=True)   # same FLOPs: T*K rows
+        dy = torch.randn(T, D, device=device, dtype=dtype)
+
+        def step(module, inp, grad):
+            params = [p for p in module.parameters() if p.requires_grad]
+            return grads_fn(lambda: module(inp), [inp] + params, grad)
+
+        try:
+            with torch.no_grad():
+                err = relative_error(layers["triton"](x), layers["torch"](x))
+        except RuntimeError as error:
+            err = {"error": str(error).splitlines()[0][:200]}
+        results = run_all({"fmoe_triton": step(layers["triton"], x, dy), "fmoe_torch": step(layers["torch"], x, dy),
+                           "dense_ffn": step(dense, x_dense, torch.randn_like(x_dense))}, bench)
+        add_rates(results, 3 * 2.0 * T * K * D * F_ * 2, "fmoe_triton")
+        print_table(f"FMoETransformerMLP forward+backward, {name}: T={T} top-{K} D={D} F={F_} E={E}", results,
+                    "fmoe_triton")
+        rows.append({"shape": name, "tokens": T, "top_k": K, "d_model": D, "d_hidden": F_, "experts": E, **err,
+                     "results": results})
+    return rows
+
+
+def default_out(device: str) -> Path:
+    label = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return RESULTS / f"kernels-{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}.json"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny shapes: exercises the script, measures nothing")
+    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/kernels-<gpu name>.json)")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.quick:
+        p.error("the full benchmark needs a CUDA GPU; use --quick to exercise it on CPU")
+    dtype = torch.bfloat16
+    bench = timer(args.quick)
+    out = args.out or default_out(device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": machine(), "device": device, "dtype": str(dtype).replace("torch.", ""),
+               "quick": args.quick, "triton_interpret": interpreting()}
+    sections = (("grouped_mm", bench_grouped_mm, QUICK_GEMM, GEMM_SHAPES),
+                ("fused_gather", bench_fused_gather, QUICK_GATHER, GATHER_SHAPES),
+                ("layer", bench_layer, QUICK_LAYER, LAYER_SHAPES))
+    for key, run, quick_shapes, shapes in sections:
+        payload[key] = run(quick_shapes if args.quick else shapes, dtype, device, bench)
+        out.write_text(json.dumps(payload, indent=2) + "\n")    # after each section: a timeout keeps what ran
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

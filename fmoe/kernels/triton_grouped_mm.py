@@ -1,0 +1,279 @@
+"""Triton grouped GEMM over rows sorted by expert, segments of any size, no padding.
+
+Which expert and row block a tile works on is worked out inside the kernel from `counts_e`
+(a cumulative sum of tiles per expert), so launching never reads the counts on the host: the
+grid is an upper bound, cdiv(N, BLOCK_M) + E row tiles, and the tiles past the real count exit.
+Operands are read through their strides, so a transposed weight view costs no copy, and the
+input rows may be gathered through an index (`rows_N`), so a permuted copy need not exist.
+"""
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """Whether kernels run in Triton's CPU interpreter (decided when triton jits them)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@triton.jit
+def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Visit tiles GROUP_M row blocks at a time, so neighbouring programs share operands in L2."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _expert_segment(counts_ptr, E, e, E_POW2: tl.constexpr):
+    """(first row, row count) of expert e's segment."""
+    idx = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + idx, mask=idx < E, other=0).to(tl.int64)
+    ends = tl.cumsum(counts, 0)
+    picked = idx == e
+    return tl.sum(tl.where(picked, ends - counts, 0)), tl.sum(tl.where(picked, counts, 0))
+
+
+@triton.jit(do_not_specialize=["N", "E"])
+def _grouped_mm_kernel(
+    x_ptr, rows_ptr, w_ptr, bias_ptr, y_ptr, counts_ptr,
+    N, I, O, E,
+    stride_xn, stride_xi, stride_we, stride_wi, stride_wo, stride_be, stride_bo, stride_yn, stride_yo,
+    GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """y[r] = x[rows[r]] @ w[e] (+ bias[e]) for each row r of expert e's segment (rows[r] = r unless GATHER)."""
+    num_tiles_m = tl.cdiv(N, BLOCK_M) + E    # no expert needs more than one partial tile
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(O, BLOCK_N), GROUP_M)
+
+    idx = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + idx, mask=idx < E, other=0).to(tl.int64)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(tiles, 0)
+    if pid_m >= tl.sum(tiles):
+        return
+    e = tl.sum((tile_ends <= pid_m).to(tl.int32))
+    picked = idx == e
+    first_tile = tl.sum(tl.where(picked, tile_ends - tiles, 0))
+    seg_start = tl.sum(tl.where(picked, tl.cumsum(counts, 0) - counts, 0))
+    seg_end = seg_start + tl.sum(tl.where(picked, counts, 0))
+
+    rows = seg_start + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = (rows < seg_end) & (rows < N)   # `rows < N` guards counts that overrun x
+    if GATHER:
+        src = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        src = rows
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < O
+    ks = tl.arange(0, BLOCK_K)
+
+    a_ptrs = x_ptr + src[:, None] * stride_xn + ks[None, :] * stride_xi
+    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + ks[:, None] * stride_wi + cols[None, :] * stride_wo
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, I, BLOCK_K):
+        k_ok = ks < I - k
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_xi
+        b_ptrs += BLOCK_K * stride_wi
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + e.to(tl.int64) * stride_be + cols * stride_bo, mask=col_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_yn + cols[None, :] * stride_yo
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["N", "E"])
+def _grouped_mm_weight_grad_kernel(
+    x_ptr, rows_ptr, dy_ptr, dw_ptr, counts_ptr,
+    N, I, O, E,
+    stride_xn, stride_xi, stride_dyn, stride_dyo, stride_dwe, stride_dwi, stride_dwo,
+    GATHER: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """dw[e] = x[rows of e]^T @ dy[rows of e], one (I block, O block) tile of one expert per program.
+
+    BLOCK_M tiles I, BLOCK_N tiles O and BLOCK_K walks the expert's rows; an expert without rows
+    stores zeros.
+    """
+    e = tl.program_id(1)
+    pid_i, pid_o = _swizzle(tl.program_id(0), tl.cdiv(I, BLOCK_M), tl.cdiv(O, BLOCK_N), GROUP_M)
+    seg_start, count = _expert_segment(counts_ptr, E, e, E_POW2)
+
+    ins = pid_i * BLOCK_M + tl.arange(0, BLOCK_M)
+    outs = pid_o * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_ok = ins < I
+    out_ok = outs < O
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, count, BLOCK_K):
+        rows = seg_start + k + ks
+        row_ok = (k + ks < count) & (rows < N)
+        if GATHER:
+            src = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        else:
+            src = rows
+        xt = tl.load(x_ptr + ins[:, None] * stride_xi + src[None, :] * stride_xn,
+                     mask=in_ok[:, None] & row_ok[None, :], other=0.0)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dyn + outs[None, :] * stride_dyo,
+                     mask=row_ok[:, None] & out_ok[None, :], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            dy = dy.to(tl.float32)
+        acc = tl.dot(xt, dy, acc, input_precision=INPUT_PRECISION)
+
+    dw_ptrs = dw_ptr + e.to(tl.int64) * stride_dwe + ins[:, None] * stride_dwi + outs[None, :] * stride_dwo
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=in_ok[:, None] & out_ok[None, :])
+
+
+def _config(m, n, k, group, warps, stages):
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": group},
+                         num_warps=warps, num_stages=stages)
+
+
+# One config per line: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages). The last of each
+# list is small enough for fp32 operands in the shared memory of every GPU of its generation.
+_GPU_CONFIGS = {
+    "hopper": [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4),
+               (64, 128, 64, 8, 4, 4), (64, 64, 64, 8, 4, 3)],
+    "ampere": [(128, 256, 32, 8, 8, 3), (128, 128, 32, 8, 4, 4), (64, 128, 32, 8, 4, 4),
+               (64, 64, 32, 8, 4, 3)],
+    "volta": [(128, 128, 32, 8, 8, 2), (64, 64, 32, 8, 4, 2)],
+}
+_INTERPRETER_CONFIG = (16, 16, 16, 1, 1, 1)
+
+
+def _generation(device: torch.device) -> str:
+    major, _ = torch.cuda.get_device_capability(device)
+    return "hopper" if major >= 9 else "ampere" if major >= 8 else "volta"
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(kernel, generation: str, autotune: bool):
+    """`kernel` autotuned over its generation's configs (or its first alone), keyed on the GEMM widths."""
+    rows = [_INTERPRETER_CONFIG] if generation == "interpreter" else _GPU_CONFIGS[generation]
+    configs = [_config(*r) for r in (rows if autotune else rows[:1])]
+    return triton.autotune(configs, key=["I", "O", "GATHER"])(kernel)
+
+
+def _launcher(kernel, device: torch.device):
+    """The kernel to launch: FMOE_TRITON_AUTOTUNE=0 skips tuning (fewer compiles, e.g. for tests)."""
+    generation = "interpreter" if interpreting() else _generation(device)
+    return _tuned(kernel, generation, os.environ.get("FMOE_TRITON_AUTOTUNE", "1") != "0")
+
+
+def _dot_modes(dtype: torch.dtype):
+    """(UPCAST, INPUT_PRECISION) for tl.dot.
+
+    The interpreter multiplies bf16 wrongly, so it gets fp32 operands; on a GPU, fp32 GEMMs use
+    TF32 exactly when torch's matmuls are allowed to.
+    """
+    tf32 = dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32
+    return interpreting(), "tf32" if tf32 else "ieee"
+
+
+def _check_kernel_device(t: torch.Tensor):
+    if not t.is_cuda and not interpreting():
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors, got one on {t.device}; on CPU use backend='torch' "
+            "or set TRITON_INTERPRET=1 before triton is imported"
+        )
+
+
+def grouped_mm_rows(x_XI, w_eIO, counts_e, rows_N=None, bias_eO=None):
+    """y[r] = x[rows_N[r]] @ w[e] (+ bias_eO[e]) over expert e's rows r (rows_N[r] = r when None)."""
+    _check_kernel_device(x_XI)
+    N = x_XI.shape[0] if rows_N is None else rows_N.shape[0]
+    E, I, O = w_eIO.shape
+    y_NO = x_XI.new_empty(N, O)
+    if N == 0 or O == 0:
+        return y_NO
+    upcast, precision = _dot_modes(x_XI.dtype)
+    kernel = _launcher(_grouped_mm_kernel, x_XI.device)
+    # Unread stand-ins keep the argument list fixed when there is no gather or no bias.
+    rows_arg = x_XI if rows_N is None else rows_N
+    bias_arg, bias_strides = (w_eIO, (0, 0)) if bias_eO is None else (bias_eO, bias_eO.stride())
+
+    def grid(meta):
+        num_tiles_m = triton.cdiv(N, meta["BLOCK_M"]) + E
+        return (num_tiles_m * triton.cdiv(O, meta["BLOCK_N"]),)
+
+    kernel[grid](
+        x_XI, rows_arg, w_eIO, bias_arg, y_NO, counts_e,
+        N, I, O, E,
+        *x_XI.stride(), *w_eIO.stride(), *bias_strides, *y_NO.stride(),
+        GATHER=rows_N is not None, HAS_BIAS=bias_eO is not None, UPCAST=upcast, INPUT_PRECISION=precision,
+        E_POW2=triton.next_power_of_2(E),
+    )
+    return y_NO
+
+
+def grouped_mm_weight_grad(x_XI, dy_NO, counts_e, rows_N=None):
+    """dw[e] = x[rows_N of e]^T @ dy[rows of e], in x's dtype; zero for an expert with no rows."""
+    _check_kernel_device(x_XI)
+    N, O = dy_NO.shape
+    E, I = counts_e.shape[0], x_XI.shape[1]
+    dw_eIO = x_XI.new_empty(E, I, O)
+    if N == 0 or I == 0 or O == 0:
+        return dw_eIO.zero_()
+    upcast, precision = _dot_modes(x_XI.dtype)
+    kernel = _launcher(_grouped_mm_weight_grad_kernel, x_XI.device)
+
+    def grid(meta):
+        return (triton.cdiv(I, meta["BLOCK_M"]) * triton.cdiv(O, meta["BLOCK_N"]), E)
+
+    kernel[grid](
+        x_XI, x_XI if rows_N is None else rows_N, dy_NO, dw_eIO, counts_e,
+        N, I, O, E,
+        *x_XI.stride(), *dy_NO.stride(), *dw_eIO.stride(),
+        GATHER=rows_N is not None, UPCAST=upcast, INPUT_PRECISION=precision,
+        E_POW2=triton.next_power_of_2(E),
+    )
+    return dw_eIO
+
+
+@triton.jit(do_not_specialize=["N", "E"])
+def _expert_row_sums_kernel(dy_ptr, out_ptr, counts_ptr, N, O, E, stride_dyn, stride_dyo, stride_oe, stride_oo,
+                            E_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_O: tl.constexpr):
+    """out[e] = sum of dy over expert e's rows, in row order, in fp32."""
+    e = tl.program_id(1)
+    seg_start, count = _expert_segment(counts_ptr, E, e, E_POW2)
+    cols = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
+    col_ok = cols < O
+    ks = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_O,), dtype=tl.float32)
+    for k in range(0, count, BLOCK_R):
+        rows = seg_start + k + ks
+        row_ok = (k + ks < count) & (rows < N)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dyn + cols[None, :] * stride_dyo,
+                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.sum(dy.to(tl.float32), axis=0)
+    out_ptrs = out_ptr + e.to(tl.int64) * stride_oe + cols * stride_oo
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def expert_row_sums(dy_NO, counts_e, dtype):
+    """Per-expert sums of dy's rows (the bias gradient), in `dtype`; zero for an expert with no rows."""
+    _check_kernel_device(dy_NO)
+    N, O = dy_NO.shape
+    E = counts_e.shape[0]
+    out_eO = dy_NO.new_empty(E, O, dtype=dtype)
+    if N == 0 or O == 0:
+        return out_eO.zero_()
+    block_o = min(triton.next_power_of_2(O), 256)
+    _expert_row_sums_kernel[(triton.cdiv(O, block_o), E)](
+        dy_NO, out_eO, counts_e, N, O, E, *dy_NO.stride(), *out_eO.stride(),
+        E_POW2=triton.next_power_of_2(E), BLOCK_R=32, BLOCK_O=block_o)
+    return out_eO
