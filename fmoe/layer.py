@@ -8,6 +8,7 @@ from torch import nn
 from fmoe import kernels
 from fmoe.distributed import exchange
 from fmoe.distributed.check import check_expert_parallel_config
+from fmoe.distributed.schedule import group_size_from_env, schedule_enabled_by_env, scheduled_experts
 from fmoe.distributed.shadow import make_shadow_policy, shadowed_experts_forward
 from fmoe.experts import GroupedExperts, ModuleListExperts
 from fmoe.gates import NaiveGate, make_gate
@@ -37,14 +38,17 @@ class FMoE(nn.Module):
     `num_expert` experts live on each of `world_size` ranks. Experts are either `expert` (a
     module class, instantiated per expert as `expert(d_model)`, or a list of classes) or, with
     `d_hidden`, stacked MLP experts that run as grouped GEMMs. `shadow` (True, a ShadowPolicy, or
-    FMOE_FASTER_SHADOW_ENABLE=1) turns on FasterMoE's shadowing of hot experts. Input of any shape
+    FMOE_FASTER_SHADOW_ENABLE=1) turns on FasterMoE's shadowing of hot experts, `schedule` (or
+    FMOE_FASTER_SCHEDULE_ENABLE=1) its pipelined exchange in groups of `schedule_group_size`
+    ranks (FMOE_FASTER_GROUP_SIZE). Input of any shape
     [..., d_model]; output the same shape. After every forward the layer holds `aux_loss`,
     `num_dropped` and `last_counts_E` (rows each expert received).
     """
 
     def __init__(self, num_expert=32, d_model=1024, world_size=1, moe_group=None, top_k=2, gate=NaiveGate,
                  expert=None, gate_hook=None, gate_bias=True, d_hidden=None, activation="gelu",
-                 expert_bias=True, gate_kwargs=None, backend: Optional[str] = None, shadow=None):
+                 expert_bias=True, gate_kwargs=None, backend: Optional[str] = None, shadow=None,
+                 schedule=None, schedule_group_size=None):
         super().__init__()
         if not isinstance(d_model, int) or d_model < 1:
             raise ValueError(f"d_model must be a positive int, got {d_model!r}")
@@ -72,6 +76,10 @@ class FMoE(nn.Module):
         else:
             raise ValueError("FMoE needs its experts: pass expert= (a module class) or d_hidden= (stacked MLP experts)")
         mark_expert_parameters(self.experts)
+        self.schedule = schedule_enabled_by_env() if schedule is None else bool(schedule)
+        self.schedule_group_size = schedule_group_size or group_size_from_env()
+        if not isinstance(self.schedule_group_size, int) or self.schedule_group_size < 1:
+            raise ValueError(f"schedule_group_size must be a positive int, got {self.schedule_group_size!r}")
         self.shadow_policy = make_shadow_policy(shadow, d_model, d_hidden if expert is None else None,
                                                 self.world_size)
         self.gate_hook = gate_hook
@@ -116,9 +124,12 @@ class FMoE(nn.Module):
         if plan.exchange is None:
             return self.experts(x_ND, plan.counts_E)
         x_sent, x_home = x_ND.split([x_ND.shape[0] - plan.num_shadow_rows, plan.num_shadow_rows])
-        x_RD = exchange.dispatch(x_sent, plan)
-        y_RD = self.experts(x_RD, plan.local_counts_e)
-        y_sent = exchange.combine(y_RD, plan)
+        if self.schedule:
+            y_sent = scheduled_experts(self.experts, x_sent, plan.exchange, self.schedule_group_size)
+        else:
+            x_RD = exchange.dispatch(x_sent, plan)
+            y_RD = self.experts(x_RD, plan.local_counts_e)
+            y_sent = exchange.combine(y_RD, plan)
         if plan.shadow is None:
             return y_sent
         y_home = shadowed_experts_forward(self.experts, x_home, plan.shadow, self.num_expert, self.moe_group)

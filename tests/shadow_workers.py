@@ -88,3 +88,13 @@ def check_policy_shadows_a_hot_expert(rank, world):
     everyone = [None] * world
     dist.all_gather_object(everyone, chosen[0])
     assert all(c == chosen[0] for c in everyone), everyone
+
+
+def check_schedule_equals_plain(rank, world):
+    E = 2 * world
+    for group_size in (1, 2):
+        for top_k, hot, shadow in ((2, [], False), (1, [0], False), (2, [0, E - 1], True)):
+            def make(w, e, k, h):
+                return build(w, e, k, h, schedule=True, schedule_group_size=group_size,
+                             shadow=FixedShadow(h) if shadow else False)
+            compare_variants(rank, world, top_k, hot, make)

@@ -40,3 +40,8 @@ def test_shadowing_equals_plain_expert_parallelism(world):
 
 def test_real_policy_shadows_the_hot_expert():
     run_ranks(shadow_workers.check_policy_shadows_a_hot_expert, 2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_scheduling_equals_plain_expert_parallelism(world):
+    run_ranks(shadow_workers.check_schedule_equals_plain, world)
