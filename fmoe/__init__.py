@@ -1,6 +1,6 @@
 """fmoe: Mixture-of-Experts for PyTorch, pure Python + Triton, FastMoE-compatible."""
 from fmoe.experts import FMoELinear, GroupedExperts
-from fmoe.gates import BalancedGate, BaseGate, GShardGate, NaiveGate, NoisyGate, Routing, SwitchGate
+from fmoe.gates import BalancedGate, BaseGate, FasterGate, GShardGate, NaiveGate, NoisyGate, Routing, SwitchGate
 from fmoe.layer import FMoE, collect_aux_loss
 from fmoe.routing import RoutingPlan
 from fmoe.transformer import FMoETransformerMLP, moefy
@@ -9,6 +9,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FMoE", "FMoETransformerMLP", "FMoELinear", "GroupedExperts", "RoutingPlan", "Routing",
-    "BaseGate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate",
+    "BaseGate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate", "FasterGate",
     "collect_aux_loss", "moefy",
 ]

@@ -65,6 +65,8 @@ class FMoE(nn.Module):
             gate_kwargs.setdefault("gate_bias", gate_bias)
         self.gate = make_gate(gate, d_model, num_expert, self.world_size, top_k, **gate_kwargs)
         self.top_k = self.gate.top_k
+        if hasattr(self.gate, "ep_rank"):
+            self.gate.ep_rank = self.moe_rank       # the topology-aware gate needs to know its node
         if self.gate.tot_expert != self.tot_expert:
             raise ValueError(f"gate routes to {self.gate.tot_expert} experts, the layer has {self.tot_expert}")
         if isinstance(expert, nn.Module):

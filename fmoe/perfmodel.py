@@ -9,6 +9,10 @@ network bandwidth per worker (bytes/s), a worker that processes B rows spends
 with s the bytes per element. The layer takes as long as its slowest worker. Shadowing r
 experts moves their rows home (loads B -> B') and costs a broadcast of their parameters and a
 reduction of their gradients: 2 * r * 2 * alpha * H^2 * s / W_net.
+
+The smart schedule splits the exchange into `steps` chunks and pipelines the three stages of
+each pass (rows out, compute, rows back; forward, then backward with twice the compute): a
+pipeline of stages a, b, c over n chunks takes (a + b + c) / n + (n - 1) * max(a, b, c) / n.
 """
 import os
 import time
@@ -47,6 +51,13 @@ class PerfModel:
         """Broadcast of the parameters and reduction of the gradients of the shadowed experts."""
         return 2 * num_shadowed * 2 * self.alpha * self.d_model ** 2 * self.bytes_per_element / self.net_bandwidth
 
+    def worker_time(self, rows: float, schedule_steps: int = 1) -> float:
+        """One worker's compute and traffic; pipelined over `schedule_steps` chunks (1: in turn)."""
+        compute, traffic = self.compute_time(rows), self.traffic_time(rows)
+        forward = pipeline_time([traffic / 4, compute / 3, traffic / 4], schedule_steps)
+        backward = pipeline_time([traffic / 4, 2 * compute / 3, traffic / 4], schedule_steps)
+        return forward + backward
+
     def worker_rows(self, counts_WE: torch.Tensor, shadowed: Sequence[int] = ()) -> torch.Tensor:
         """Rows each worker processes: its experts' rows from everyone, plus its own rows for the
         shadowed experts (which then no longer come to their owner)."""
@@ -60,24 +71,29 @@ class PerfModel:
         local_W = (counts_WE.double() * home.double()).sum(1)
         return remote_W + local_W
 
-    def layer_time(self, counts_WE: torch.Tensor, shadowed: Sequence[int] = ()) -> float:
+    def layer_time(self, counts_WE: torch.Tensor, shadowed: Sequence[int] = (), schedule_steps: int = 1) -> float:
         """Modelled time of the layer: Lat_imbl with no shadowed experts, Lat_shadow(r) otherwise."""
         rows_W = self.worker_rows(counts_WE, shadowed)
-        slowest = max(self.compute_time(float(b)) + self.traffic_time(float(b)) for b in rows_W)
+        slowest = max(self.worker_time(float(b), schedule_steps) for b in rows_W)
         return slowest + self.shadow_cost(len(shadowed))
 
-    def choose_shadowed(self, counts_WE: torch.Tensor) -> List[int]:
+    def choose_shadowed(self, counts_WE: torch.Tensor, schedule_steps: int = 1) -> List[int]:
         """Algorithm 1: hottest experts first, shadowed one by one while the modelled time falls."""
         order = torch.argsort(counts_WE.sum(0), descending=True, stable=True).tolist()
         chosen: List[int] = []
-        best = self.layer_time(counts_WE)
+        best = self.layer_time(counts_WE, schedule_steps=schedule_steps)
         for e in order:
-            trial = self.layer_time(counts_WE, chosen + [e])
+            trial = self.layer_time(counts_WE, chosen + [e], schedule_steps)
             if trial >= best:
                 break
             chosen.append(e)
             best = trial
         return chosen
+
+
+def pipeline_time(stages: Sequence[float], steps: int) -> float:
+    """Stages run one after another per chunk; chunks overlap (a pipeline over `steps` chunks)."""
+    return sum(stages) / steps + (steps - 1) * max(stages) / steps
 
 
 def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5) -> PerfModel:

@@ -1,6 +1,7 @@
 """Gates: `x_TD -> Routing`. `make_gate` builds one from a name, a class or an instance."""
 from fmoe.gates.balanced import BalancedGate
 from fmoe.gates.base import BaseGate, Routing
+from fmoe.gates.faster import FasterGate
 from fmoe.gates.gshard import GShardGate
 from fmoe.gates.naive import NaiveGate
 from fmoe.gates.noisy import NoisyGate
@@ -12,6 +13,7 @@ GATES = {
     "gshard": GShardGate,
     "switch": SwitchGate,
     "balanced": BalancedGate,
+    "faster": FasterGate,
 }
 
 
@@ -28,4 +30,4 @@ def make_gate(gate, d_model: int, num_expert: int, world_size: int, top_k: int, 
 
 
 __all__ = ["BaseGate", "Routing", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate",
-           "GATES", "make_gate"]
+           "FasterGate", "GATES", "make_gate"]
