@@ -64,7 +64,7 @@ class PullExpert(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_XY):
         grad_XY = grad_XY.contiguous().clone()
-        dist.reduce(grad_XY, dst=_global_rank(group := ctx.group, ctx.owner), group=group)
+        dist.reduce(grad_XY, dst=_global_rank(ctx.group, ctx.owner), group=ctx.group)
         if not ctx.is_owner:
             return None, None, None, None
         grad_eXY = grad_XY.new_zeros(ctx.param_shape)
