@@ -7,8 +7,6 @@ holding all experts, with the forward broken down step by step.
 benchmarks/results/ep-<device>.json.
 """
 import argparse
-import os
-import socket
 import statistics
 import sys
 import time
@@ -16,11 +14,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe  # noqa: E402
-from common import RoundRobinGate, machine, write_json  # noqa: E402
+from common import RoundRobinGate, machine, run_on_ranks, write_json  # noqa: E402
 from fmoe import kernels  # noqa: E402
 from fmoe.distributed import exchange  # noqa: E402
 from fmoe.routing import RoutingPlan  # noqa: E402
@@ -72,25 +69,14 @@ def build(args, world_size):
                                    gate=RoundRobinGate)
 
 
-def ep_worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def ep_worker(rank, world, args):
     layer = build(args, world)
     x = torch.randn(args.tokens, args.d_model, requires_grad=True)
     result = measure(layer, x, args.reps)
     # A step is as slow as its slowest rank.
     slowest = torch.tensor([result[k] for k in result])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        queue.put(dict(zip(result, slowest.tolist())))
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return dict(zip(result, slowest.tolist()))
 
 
 def main(argv=None):
@@ -103,15 +89,7 @@ def main(argv=None):
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=ep_worker, args=(r, args.ep, port, args, queue)) for r in range(args.ep)]
-    for proc in procs:
-        proc.start()
-    ep_result = queue.get()
-    for proc in procs:
-        proc.join()
+    ep_result = run_on_ranks(ep_worker, args.ep, args)
     single = {}
     for threads in (1, args.ep):
         torch.set_num_threads(threads)

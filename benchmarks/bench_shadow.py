@@ -8,8 +8,6 @@ constants calibrated on this machine), the ratio, and what the performance model
 same counts. Writes benchmarks/results/shadow-<device>.json.
 """
 import argparse
-import os
-import socket
 import statistics
 import sys
 import time
@@ -17,11 +15,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe  # noqa: E402
-from common import machine, write_json  # noqa: E402
+from common import machine, run_on_ranks, write_json  # noqa: E402
 from fmoe.distributed.shadow import ShadowPolicy  # noqa: E402
 from fmoe.gates.base import BaseGate, LinearRouter  # noqa: E402
 from fmoe.perfmodel import PerfModel, calibrate  # noqa: E402
@@ -60,10 +57,7 @@ def step_time(layer, x, reps):
     return statistics.median(times)
 
 
-def worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def worker(rank, world, args):
     e = args.num_expert // world
     model = calibrate(PerfModel(args.d_model, args.d_hidden), size=512)
     results = {}
@@ -85,15 +79,7 @@ def worker(rank, world, port, args, queue):
         row["speedup"] = row["shadow_off"] / row["shadow_on"]
         row["predicted_speedup"] = row["predicted_off"] / row["predicted_on"]
         results[scenario] = row
-    if rank == 0:
-        queue.put({"results": results, "model": {"flops": model.flops, "net_bandwidth": model.net_bandwidth}})
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return {"results": results, "model": {"flops": model.flops, "net_bandwidth": model.net_bandwidth}}
 
 
 def main(argv=None):
@@ -104,15 +90,7 @@ def main(argv=None):
     p.add_argument("--num-expert", type=int, default=16, help="experts in all")
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, args, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    out = queue.get()
-    for proc in procs:
-        proc.join()
+    out = run_on_ranks(worker, 2, args)
     m = out["model"]
     print(f"2 ranks x 1 thread, gloo; {args.tokens} tokens/rank, D={args.d_model} F={args.d_hidden}, "
           f"{args.num_expert} experts, top-1; model: {m['flops'] / 1e9:.0f} GFLOP/s, {m['net_bandwidth'] / 1e9:.2f} GB/s")

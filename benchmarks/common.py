@@ -2,11 +2,14 @@
 import json
 import os
 import platform
+import socket
 import statistics
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from fmoe.gates.base import BaseGate, LinearRouter
 
@@ -56,3 +59,33 @@ def write_json(name: str, payload: dict) -> Path:
     path = RESULTS / name
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank, world, port, worker, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = worker(rank, world, args)
+    if rank == 0:
+        queue.put(result)
+    dist.destroy_process_group()
+
+
+def run_on_ranks(worker, world: int, args):
+    """worker(rank, world, args) on `world` processes (gloo, one thread each); rank 0's return value."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, worker, args, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    result = queue.get()
+    for proc in procs:
+        proc.join()
+    return result
