@@ -12,9 +12,11 @@ setup(
     install_requires=["torch>=2.4", "numpy", "tqdm", "matplotlib", "triton>=3.0; platform_system == \"Linux\""],
     extras_require={
         "triton": ["triton>=3.0"],
-        "test": ["pytest>=7", "pytest-timeout", "triton>=3.0", "deepspeed==0.19.8", "transformers==5.24.0"],
+        "test": ["pytest>=7", "pytest-timeout", "triton>=3.0", "deepspeed==0.19.8", "transformers==5.24.0",
+                 "megatron-core==0.16.1"],
         "deepspeed": ["deepspeed==0.19.8"],
         "hf": ["transformers>=5,<6"],
+        "megatron": ["megatron-core==0.16.1"],
         "bench": ["triton>=3.0"],
     },
     entry_points={"console_scripts": ["fmoe=fmoe.cli:main"]},

@@ -1,0 +1,203 @@
+"""fmoe inside Megatron-Core, on 2 real processes (gloo, CPU).
+
+One 2-rank run does every stage and writes what it saw; the tests below read it:
+  1. expert parallel 2: 6 training steps (gshard gate: capacity, random routing, balance loss),
+     a checkpoint at step 3, then a fresh model resumed from it for steps 4-6;
+  2. the MegatronMLP of a GPT layer against a standalone FMoETransformerMLP with its weights;
+  3. one model trained at three layouts from the same checkpoint, the expert gradients reduced by
+     Megatron's DDP each time: expert parallel 2 (data parallel 2), data parallel 2 with all experts
+     on each rank (built with fmoefy, 2 microbatches a step), tensor parallel 2 + sequence parallel
+     (expert parallel 2).
+"""
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'fmoe[megatron]')")
+
+from tests.dist_utils import run_ranks  # noqa: E402
+
+VOCAB, SEQ, HIDDEN, FFN, EXPERTS = 64, 32, 32, 64, 4
+
+
+def gpt(ep_size: int, tp_size: int = 1, gate="gshard", gate_kwargs=None, aux_loss_coeff=0.01, use_fmoefy=False):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from fmoe.megatron import fmoefy, get_gpt_layer_with_fmoe_spec
+
+    moe = {} if use_fmoefy else dict(num_moe_experts=EXPERTS, moe_ffn_hidden_size=FFN,
+                                      expert_model_parallel_size=ep_size)
+    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=FFN,
+                               add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                               use_cpu_initialization=True, tensor_model_parallel_size=tp_size,
+                               sequence_parallel=tp_size > 1, **moe)
+    if use_fmoefy:
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                         max_sequence_length=SEQ)
+        return fmoefy(model, num_experts=EXPERTS, top_k=2, gate=gate, gate_kwargs=gate_kwargs,
+                      aux_loss_coeff=aux_loss_coeff)
+    spec = get_gpt_layer_with_fmoe_spec(gate=gate, gate_kwargs=gate_kwargs, aux_loss_coeff=aux_loss_coeff)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+
+
+def batch(step: int, part: int, rows: int = 4):
+    """A learnable byte stream: every other token is a function of the one before."""
+    g = torch.Generator().manual_seed(1000 * step + part)
+    t = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
+    t[:, 1::2] = (t[:, 0:-1:2] * 3 + 1) % VOCAB
+    return t[:, :-1], t[:, 1:]
+
+
+def train(model, optimizer, steps, dp_rank, dp_size, num_microbatches=1):
+    """Steps on the global batch of rows 4 * 2: this data-parallel rank's share of it, in microbatches."""
+    from fmoe.megatron import training
+
+    losses = []
+    for step in steps:
+        parts = [batch(step, p) for p in range(2)]
+        mine = [parts[p] for p in range(2) if p % dp_size == dp_rank]
+        tokens, labels = torch.cat([m[0] for m in mine]), torch.cat([m[1] for m in mine])
+        micro = list(zip(tokens.chunk(num_microbatches), labels.chunk(num_microbatches)))
+        losses.append(training.train_step(model, optimizer, micro)[0])
+    return losses
+
+
+def set_layout(tp_size, ep_size, seed=7):
+    from megatron.core import parallel_state
+
+    from fmoe.megatron import training
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    training.initialize(tp_size, ep_size, seed=seed)
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def stage_train_and_resume(ckpt):
+    from fmoe.megatron import training
+
+    dp_rank, dp_size = set_layout(1, 2)
+    model, optimizer = training.wrap(gpt(2), lr=3e-3)
+    experts = {n: (tuple(p.shape), getattr(p, "allreduce", True))
+               for n, p in model.named_parameters() if ".experts." in n}
+    losses = train(model, optimizer, range(3), dp_rank, dp_size)
+    training.save_checkpoint(ckpt, model, optimizer, 3)
+    losses += train(model, optimizer, range(3, 6), dp_rank, dp_size)
+    model, optimizer = training.wrap(gpt(2), lr=3e-3)
+    start = training.load_checkpoint(ckpt, model, optimizer)
+    resumed = train(model, optimizer, range(start, 6), dp_rank, dp_size)
+    return {"losses": losses, "resumed": resumed, "experts": experts}
+
+
+def stage_mlp_matches_fmoe():
+    from megatron.core import parallel_state
+
+    from fmoe import FMoETransformerMLP
+
+    set_layout(1, 2)
+    gate_kwargs = {"random_routing": False, "capacity": None}
+    model = gpt(2, gate_kwargs=gate_kwargs, aux_loss_coeff=0.1)
+    mlp = model.decoder.layers[0].mlp
+    seen = {}
+
+    def keep_input(module, args, output):
+        seen.setdefault("x", args[0].detach())
+
+    mlp.register_forward_hook(keep_input)
+    tokens, labels = batch(0, parallel_state.get_expert_model_parallel_rank())
+    model(tokens, torch.arange(SEQ).expand_as(tokens), None, labels=labels)
+
+    standalone = FMoETransformerMLP(num_expert=EXPERTS // 2, d_model=HIDDEN, d_hidden=FFN, world_size=2,
+                                    moe_group=parallel_state.get_expert_model_parallel_group(), top_k=2,
+                                    gate="gshard", gate_kwargs=gate_kwargs, gate_bias=False, expert_bias=False)
+    standalone.load_state_dict(mlp.moe.state_dict())
+    w = torch.randn(seen["x"].shape, generator=torch.Generator().manual_seed(3))
+    x_m, x_s = seen["x"].clone().requires_grad_(), seen["x"].clone().requires_grad_()
+    out_m, bias = mlp(x_m)
+    (out_m * w).sum().backward()
+    out_s = standalone(x_s)
+    ((out_s * w).sum() + 0.1 * standalone.aux_loss).backward()
+    grads_s = dict(standalone.named_parameters())
+    diffs = {"output": (out_m - out_s).abs().max().item(), "input grad": (x_m.grad - x_s.grad).abs().max().item()}
+    for name, p in mlp.moe.named_parameters():
+        diffs[name] = (p.grad - grads_s[name].grad).abs().max().item()
+    try:
+        from fmoe.megatron import MegatronMLP
+
+        MegatronMLP(model.config, num_experts=3)
+        bad_count = "no error"
+    except ValueError as err:
+        bad_count = str(err)
+    return {"diffs": diffs, "bias": bias is None, "aux_loss": standalone.aux_loss.item(), "bad_count": bad_count}
+
+
+def stage_layouts(ckpt):
+    """Save after one step at expert parallel 2, then train 3 more steps at each layout from there."""
+    from fmoe.megatron import training
+
+    runs = {}
+    for name, tp_size, ep_size in (("ep2_dp2", 1, 2), ("ep1_dp2_fmoefy", 1, 1), ("tp2_sp_ep2", 2, 2)):
+        dp_rank, dp_size = set_layout(tp_size, ep_size)
+        model, optimizer = training.wrap(gpt(ep_size, tp_size, gate="naive", use_fmoefy=ep_size == 1), lr=3e-3)
+        if name == "ep2_dp2":
+            train(model, optimizer, range(1), dp_rank, dp_size)
+            training.save_checkpoint(ckpt, model, optimizer, 1)
+        else:
+            training.load_checkpoint(ckpt, model, optimizer, rng=False)
+        runs[name] = train(model, optimizer, range(1, 4), dp_rank, dp_size, num_microbatches=2 if ep_size == 1 else 1)
+    return runs
+
+
+def worker(rank, world_size, out_dir):
+    from megatron.core import parallel_state
+
+    result = {"train_and_resume": stage_train_and_resume(os.path.join(out_dir, "ckpt_resume")),
+              "mlp": stage_mlp_matches_fmoe(),
+              "layouts": stage_layouts(os.path.join(out_dir, "ckpt_layouts"))}
+    parallel_state.destroy_model_parallel()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("megatron"))
+    run_ranks(worker, 2, out_dir)
+    return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(2)]
+
+
+def test_expert_parallel_training_loss_falls(runs):
+    losses = runs[0]["train_and_resume"]["losses"]
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_experts_are_split_and_marked_for_megatron(runs):
+    experts = runs[0]["train_and_resume"]["experts"]
+    assert experts, "no expert parameters found"
+    for name, (shape, allreduce) in experts.items():
+        assert shape[0] == EXPERTS // 2, (name, shape)
+        assert allreduce is False, name
+
+
+def test_resume_continues_like_an_uninterrupted_run(runs):
+    for rank_runs in runs:
+        stage = rank_runs["train_and_resume"]
+        assert stage["resumed"] == pytest.approx(stage["losses"][3:], abs=1e-6)
+
+
+def test_megatron_mlp_equals_standalone_fmoe_layer(runs):
+    for rank_runs in runs:
+        mlp = rank_runs["mlp"]
+        assert mlp["bias"] and mlp["aux_loss"] > 0
+        assert max(mlp["diffs"].values()) < 1e-5, mlp["diffs"]
+        assert "num_experts must be a positive multiple of the expert parallel size 2" in mlp["bad_count"]
+
+
+def test_layouts_train_alike_from_one_checkpoint(runs):
+    layouts = runs[0]["layouts"]
+    for name in ("ep1_dp2_fmoefy", "tp2_sp_ep2"):
+        assert layouts[name] == pytest.approx(layouts["ep2_dp2"], abs=1e-4), (name, layouts)
