@@ -1,0 +1,158 @@
+"""The `fmoe` command: one subcommand per main job.
+
+A subcommand is one COMMANDS entry: its help line, a function that adds its arguments and a
+function that runs it (or, for a job in its own module, `from_module`). Only the chosen
+subcommand's arguments are built, so each command imports just what it needs and `fmoe info`
+stays fast.
+"""
+import argparse
+import importlib
+import sys
+
+
+def add_train_args(p: argparse.ArgumentParser):
+    from fmoe.gates import GATES
+    from fmoe.gpt import GPTConfig
+    from fmoe.train import TrainConfig
+
+    model, run = GPTConfig(), TrainConfig()
+    g = p.add_argument_group("model")
+    g.add_argument("--d-model", type=int, default=model.d_model, help="model width (default: %(default)s)")
+    g.add_argument("--layers", type=int, default=model.n_layer, help="transformer blocks (default: %(default)s)")
+    g.add_argument("--heads", type=int, default=model.n_head, help="attention heads (default: %(default)s)")
+    g.add_argument("--seq-len", type=int, default=model.seq_len, help="context in bytes (default: %(default)s)")
+    g.add_argument("--num-expert", type=int, default=model.num_expert,
+                   help="experts per MoE layer (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=None, help="experts per token (default: 1 for switch, else 2)")
+    g.add_argument("--gate", choices=sorted(GATES), default=model.gate, help="router (default: %(default)s)")
+    g.add_argument("--d-hidden", type=int, default=model.d_hidden,
+                   help="hidden width of each expert (default: %(default)s)")
+    g.add_argument("--aux-coef", type=float, default=model.aux_coef,
+                   help="weight of the gates' balance losses (default: %(default)s)")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=run.steps,
+                   help="optimizer steps in all, counting those before --resume (default: %(default)s)")
+    g.add_argument("--batch-size", type=int, default=run.batch_size, help="sequences per step (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=run.lr,
+                   help="peak learning rate: linear warmup, then cosine decay (default: %(default)s)")
+    g.add_argument("--data", default=None, help="a text file or a folder of them (default: the Python stdlib)")
+    g.add_argument("--out", default=run.out,
+                   help="folder for checkpoint.pt, history.json, training.png (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=run.seed,
+                   help="seeds the init, the batches and the gates' noise (default: %(default)s)")
+    g.add_argument("--device", default=run.device,
+                   help="auto (CUDA when there is one), cpu, cuda or cuda:N (default: %(default)s)")
+    g.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt up to --steps")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_train(args):
+    from fmoe.gpt import GPTConfig
+    from fmoe.train import TrainConfig, train
+
+    model_cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, n_head=args.heads,
+                          num_expert=args.num_expert, top_k=args.top_k, gate=args.gate, d_hidden=args.d_hidden,
+                          aux_coef=args.aux_coef)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
+                      data=args.data, out=args.out, resume=args.resume)
+    r = train(cfg, model_cfg, progress=not args.no_progress)
+    print(f"done: step {r.step} in {r.seconds:.1f} s, {r.tokens_per_s:,.0f} tokens/s while training")
+    print(f"loss: {r.first_loss:.3f} (first step) -> {r.last_loss:.3f} (mean of the last 10), "
+          f"validation {r.val_loss:.3f}")
+    print(f"expert load: max/mean {r.load_imbalance:.2f} averaged over layers (1.00 = balanced)")
+    print(f"checkpoint: {r.checkpoint}\nhistory:    {r.history}\nplot:       {r.plot}")
+    print(f"sample:\n{r.sample}")
+
+
+def version_of(package: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def device_line() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        names = []
+        for i in range(torch.cuda.device_count()):
+            prop = torch.cuda.get_device_properties(i)
+            names.append(f"cuda:{i} {prop.name} (sm_{prop.major}{prop.minor}, {prop.total_memory / 2**30:.0f} GiB)")
+        return ", ".join(names)
+    return f"CPU, {torch.get_num_threads()} threads"
+
+
+def backend_lines():
+    from fmoe.kernels import backend_report
+
+    for name, value in backend_report().items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        yield f"{name}: {value}"
+
+
+def run_info(args):
+    import platform
+
+    import fmoe
+
+    rows = [("fmoe", fmoe.__version__), ("python", f"{platform.python_version()} ({sys.executable})"),
+            ("torch", version_of("torch")), ("triton", version_of("triton")), ("numpy", version_of("numpy")),
+            ("platform", platform.platform()), ("device", device_line())]
+    for name, value in rows:
+        print(f"{name:<9} {value}")
+    print("kernel backends:")
+    for line in backend_lines():
+        print(f"  {line}")
+
+
+def no_arguments(p: argparse.ArgumentParser):
+    """For a subcommand without options."""
+
+
+def from_module(name: str):
+    """(add_arguments, run) of a module that has both, imported only when its command is chosen."""
+    return (lambda p: importlib.import_module(name).add_arguments(p),
+            lambda args: importlib.import_module(name).run(args))
+
+
+COMMANDS = {
+    "train": ("train the byte-level MoE GPT; writes a checkpoint, history.json and training.png",
+              add_train_args, run_train),
+    "bench": ("GFLOP/s and memory of one MoE layer beside its competitors", *from_module("fmoe.bench.run")),
+    "simulate": ("FasterMoE's performance model over cluster sizes and load distributions",
+                 *from_module("fmoe.simulate")),
+    "info": ("versions, device and usable kernel backends", no_arguments, run_info),
+}
+
+
+def build_parser(argv) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fmoe", description="Mixture-of-Experts for PyTorch: the main jobs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (help_text, add_arguments, _) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            add_arguments(p)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    run = COMMANDS[args.command][2]
+    try:
+        status = run(args)
+    except (ValueError, FloatingPointError) as err:     # bad input or a diverged run: one line, not a traceback
+        parser.exit(2, f"fmoe {args.command}: error: {err}\n")
+    except KeyboardInterrupt:
+        return 130
+    return status if isinstance(status, int) else 0     # a run may return its exit status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

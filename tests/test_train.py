@@ -1,0 +1,142 @@
+"""`fmoe train` end to end on a tiny model and corpus, the GPT, the corpus, and `fmoe info`."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fmoe.cli import main
+from fmoe.data import BatchSampler, load_corpus
+from fmoe.gpt import GPT, GPTConfig
+from fmoe.layer import collect_aux_loss
+from fmoe.train import lr_at
+
+TINY_MODEL = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--num-expert", "4",
+              "--d-hidden", "64", "--batch-size", "4"]
+
+
+@pytest.fixture
+def corpus_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400)))
+    return path
+
+
+def run_train(corpus_file, out, steps, *extra):
+    return main(["train", *TINY_MODEL, "--steps", str(steps), "--data", str(corpus_file), "--out", str(out),
+                 "--no-progress", *extra])
+
+
+def test_gpt_forward_shapes_loss_and_loads():
+    torch.manual_seed(0)
+    cfg = GPTConfig(seq_len=16, d_model=32, n_layer=3, n_head=4, num_expert=4, gate="noisy", d_hidden=64)
+    model = GPT(cfg)
+    idx_BT = torch.randint(0, 256, (2, 16))
+    logits_BTV, loss = model(idx_BT, idx_BT)
+    assert logits_BTV.shape == (2, 16, 256)
+    ce = F.cross_entropy(logits_BTV.flatten(0, 1), idx_BT.flatten())
+    torch.testing.assert_close(loss, ce + cfg.aux_coef * collect_aux_loss(model))
+    loads_LE = model.expert_loads()
+    assert loads_LE.shape == (3, 4)
+    assert loads_LE.sum(-1).tolist() == [2 * 16 * 2] * 3       # every token routed to top-2, nothing dropped
+    assert model(idx_BT[:, :5])[1] is None
+
+
+def test_gpt_config_checks():
+    assert GPTConfig(gate="switch").top_k == 1 and GPTConfig(gate="noisy").top_k == 2
+    with pytest.raises(ValueError, match="divisible by n_head"):
+        GPTConfig(d_model=30, n_head=4)
+    model = GPT(GPTConfig(seq_len=8, d_model=16, n_layer=1, n_head=2, num_expert=2, d_hidden=16))
+    with pytest.raises(ValueError, match="exceeds the model's seq_len=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_batches_are_seeded_next_byte_windows():
+    bytes_N = torch.arange(100, dtype=torch.uint8)
+    x_BT, y_BT = BatchSampler(bytes_N, 3, 10, seed=1).next()
+    assert x_BT.shape == y_BT.shape == (3, 10) and x_BT.dtype == torch.long
+    assert torch.equal(y_BT, x_BT + 1)
+    assert torch.equal(BatchSampler(bytes_N, 3, 10, seed=1).next()[0], x_BT)
+
+
+def test_default_corpus_is_the_stdlib_in_a_fixed_order():
+    first, again = load_corpus(max_bytes=20_000), load_corpus(max_bytes=20_000)
+    assert first.num_bytes == 20_000 and first.truncated
+    assert torch.equal(first.train_N, again.train_N) and torch.equal(first.val_N, again.val_N)
+
+
+def test_bad_data_fails_naming_data(tmp_path, capsys):
+    with pytest.raises(ValueError, match="--data .*no such file or folder"):
+        load_corpus(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "blob.bin").write_bytes(b"\0\1\2")
+    with pytest.raises(ValueError, match="--data .*holds no text"):
+        load_corpus(str(tmp_path / "empty"))
+    (tmp_path / "small.txt").write_text("too short")
+    with pytest.raises(ValueError, match="--data .*too few for --seq-len 32"):
+        load_corpus(str(tmp_path / "small.txt"), seq_len=32)
+    with pytest.raises(SystemExit) as exit_info:
+        run_train(tmp_path / "missing", tmp_path / "out", 5)
+    assert exit_info.value.code == 2
+    assert "fmoe train: error: --data" in capsys.readouterr().err
+
+
+def test_train_writes_checkpoint_history_plot_and_resumes(corpus_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_train(corpus_file, out, 5) == 0
+    printed = capsys.readouterr().out
+    assert "checkpoint:" in printed and "sample:" in printed
+
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 5 and state["model_config"]["d_model"] == 32
+    assert {"model", "optimizer", "train_config"} <= state.keys()
+    history = json.loads((out / "history.json").read_text())
+    assert history["step"] == [1, 2, 3, 4, 5]
+    assert all(torch.isfinite(torch.tensor(history["loss"])))
+    assert torch.tensor(history["load_share"]).shape == (5, 2, 4)
+    assert len(history["tokens_per_s"]) == 5 and len(history["val_loss"]) == 1
+    png = (out / "training.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+    assert run_train(corpus_file, out, 8, "--resume") == 0
+    resumed = json.loads((out / "history.json").read_text())
+    assert resumed["step"] == list(range(1, 9)) and resumed["loss"][:5] == history["loss"]
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 8
+
+
+
+def test_interrupted_run_resumes_where_it_stopped(corpus_file, tmp_path, monkeypatch):
+    assert run_train(corpus_file, tmp_path / "straight", 8, "--gate", "noisy") == 0
+    straight = json.loads((tmp_path / "straight" / "history.json").read_text())
+
+    def ctrl_c_at_step_5(step, total, peak):
+        if step == 5:
+            raise KeyboardInterrupt
+        return lr_at(step, total, peak)
+
+    with monkeypatch.context() as patch:
+        patch.setattr("fmoe.train.lr_at", ctrl_c_at_step_5)
+        assert run_train(corpus_file, tmp_path / "run", 8, "--gate", "noisy") == 130
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"] == 5
+    assert run_train(corpus_file, tmp_path / "run", 8, "--gate", "noisy", "--resume") == 0
+    resumed = json.loads((tmp_path / "run" / "history.json").read_text())
+    # The optimizer, the lr schedule and every random stream (batches, gate noise) carry over exactly.
+    assert resumed["loss"] == pytest.approx(straight["loss"], rel=1e-5)
+
+
+def test_resume_needs_a_checkpoint_and_more_steps(corpus_file, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run_train(corpus_file, tmp_path / "none", 5, "--resume")
+    assert "--resume: no checkpoint at" in capsys.readouterr().err
+    assert run_train(corpus_file, tmp_path / "run", 3) == 0
+    with pytest.raises(SystemExit):
+        run_train(corpus_file, tmp_path / "run", 3, "--resume")
+    assert "already at step 3" in capsys.readouterr().err
+
+
+def test_info_runs():
+    result = subprocess.run([sys.executable, "-m", "fmoe", "info"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "torch" in result.stdout and "device" in result.stdout and "kernel backends:" in result.stdout
