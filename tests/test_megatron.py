@@ -77,6 +77,14 @@ def set_layout(tp_size, ep_size, seed=7):
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
+def same_on_both_ranks(tensor) -> bool:
+    import torch.distributed as dist
+
+    both = [torch.empty_like(tensor) for _ in range(2)]
+    dist.all_gather(both, tensor.detach().contiguous())
+    return torch.equal(both[0], both[1])
+
+
 def stage_train_and_resume(ckpt):
     from fmoe.megatron import training
 
@@ -84,13 +92,16 @@ def stage_train_and_resume(ckpt):
     model, optimizer = training.wrap(gpt(2), lr=3e-3)
     experts = {n: (tuple(p.shape), getattr(p, "allreduce", True))
                for n, p in model.named_parameters() if ".experts." in n}
+    first_layer = model.module.decoder.layers[0].mlp.moe
+    init = {"gate": same_on_both_ranks(first_layer.gate.gate.proj.weight),
+            "experts": same_on_both_ranks(first_layer.experts.w1_eDF)}
     losses = train(model, optimizer, range(3), dp_rank, dp_size)
     training.save_checkpoint(ckpt, model, optimizer, 3)
     losses += train(model, optimizer, range(3, 6), dp_rank, dp_size)
     model, optimizer = training.wrap(gpt(2), lr=3e-3)
     start = training.load_checkpoint(ckpt, model, optimizer)
     resumed = train(model, optimizer, range(start, 6), dp_rank, dp_size)
-    return {"losses": losses, "resumed": resumed, "experts": experts}
+    return {"losses": losses, "resumed": resumed, "experts": experts, "same_init": init}
 
 
 def stage_mlp_matches_fmoe():
@@ -176,7 +187,9 @@ def test_expert_parallel_training_loss_falls(runs):
 
 
 def test_experts_are_split_and_marked_for_megatron(runs):
-    experts = runs[0]["train_and_resume"]["experts"]
+    stage = runs[0]["train_and_resume"]
+    assert stage["same_init"] == {"gate": True, "experts": False}, "gate replicated, experts from per-rank RNG"
+    experts = stage["experts"]
     assert experts, "no expert parameters found"
     for name, (shape, allreduce) in experts.items():
         assert shape[0] == EXPERTS // 2, (name, shape)

@@ -58,4 +58,5 @@ def fmoefy(model: nn.Module, num_experts: Optional[int] = None, top_k: int = 2, 
         layer.mlp = MegatronMLP(layer.config, num_experts=num_experts, top_k=top_k, gate=gate, gate_kwargs=gate_kwargs,
                                 aux_loss_coeff=aux_loss_coeff, ffn_hidden_size=ffn_hidden_size, **mlp_params)
         layer.mlp.set_layer_number(layer.layer_number)
+        layer.is_moe_layer = False      # it names Megatron's own MoELayer, which this layer no longer has
     return model

@@ -58,6 +58,8 @@ class MegatronMLP(MegatronModule):
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % self.ep_size:
             raise ValueError(f"num_experts must be a positive multiple of the expert parallel size {self.ep_size}, "
                              f"got {num_experts!r}")
+        if config.num_moe_experts is None:
+            config.num_moe_experts = num_experts    # Megatron's schedules scale the balance loss of MoE configs only
         if config.expert_model_parallel_size != self.ep_size:
             raise ValueError(f"config.expert_model_parallel_size={config.expert_model_parallel_size} differs from "
                              f"Megatron's parallel state, whose expert parallel size is {self.ep_size}")
