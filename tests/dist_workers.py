@@ -234,3 +234,12 @@ def check_missing_rank_times_out(rank, world):
         assert time.time() - start < 30
     else:
         raise AssertionError("a missing rank did not raise")
+
+
+def check_balanced_gate_bias_follows_global_load(rank, world):
+    full, ep = build_pair("balanced", 1, 2, world, rank)
+    gen = torch.Generator().manual_seed(5)
+    x_all = torch.randn(10 * world, D, generator=gen)
+    full.train()(x_all)
+    ep.train()(x_all[rank * 10:(rank + 1) * 10])
+    assert torch.equal(ep.gate.expert_bias_E, full.gate.expert_bias_E), (rank, ep.gate.expert_bias_E)

@@ -28,3 +28,7 @@ def test_checkpoint_reshards_4_2_1_4(tmp_path):
 
 def test_missing_rank_fails_with_a_message_not_a_hang():
     run_ranks(dist_workers.check_missing_rank_times_out, 2)
+
+
+def test_balanced_gate_bias_agrees_across_ranks():
+    run_ranks(dist_workers.check_balanced_gate_bias_follows_global_load, 2)

@@ -2,10 +2,11 @@
 
 Each expert has a bias added to its score for *selection only*; after every training forward
 the bias of an overloaded expert falls and that of an underloaded one rises by
-`bias_update_speed`. Gate weights come from the unbiased scores, so no gradient is bent
+`bias_update_speed` (the load summed over all ranks when distributed). Gate weights come from the unbiased scores, so no gradient is bent
 toward balance and no auxiliary loss is needed.
 """
 import torch
+import torch.distributed as dist
 
 from fmoe.gates.base import BaseGate, LinearRouter
 
@@ -34,4 +35,7 @@ class BalancedGate(BaseGate):
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor):
         load_E = load_E.float()
+        if dist.is_available() and dist.is_initialized():
+            # The gate is replicated on every rank: steer it by the global load, so all copies agree.
+            dist.all_reduce(load_E)
         self.expert_bias_E += self.bias_update_speed * torch.sign(load_E.mean() - load_E)
