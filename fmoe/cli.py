@@ -57,7 +57,7 @@ def run_train(args):
                       data=args.data, out=args.out, resume=args.resume)
     r = train(cfg, model_cfg, progress=not args.no_progress)
     print(f"done: step {r.step} in {r.seconds:.1f} s, {r.tokens_per_s:,.0f} tokens/s while training")
-    print(f"loss: {r.first_loss:.3f} (first step) -> {r.last_loss:.3f} (mean of the last 10), "
+    print(f"loss: {r.first_loss:.3f} (first step) -> {r.last_loss:.3f} (mean of the last {r.last_window}), "
           f"validation {r.val_loss:.3f}")
     print(f"expert load: max/mean {r.load_imbalance:.2f} averaged over layers (1.00 = balanced)")
     print(f"checkpoint: {r.checkpoint}\nhistory:    {r.history}\nplot:       {r.plot}")

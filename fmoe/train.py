@@ -47,7 +47,8 @@ class TrainConfig:
 class TrainResult:
     step: int
     first_loss: float
-    last_loss: float
+    last_loss: float        # mean over the last `last_window` steps
+    last_window: int
     val_loss: float
     tokens_per_s: float
     load_imbalance: float
@@ -300,6 +301,7 @@ class Trainer:
             step=self.step,
             first_loss=losses[0],
             last_loss=sum(losses[-10:]) / len(losses[-10:]),
+            last_window=len(losses[-10:]),
             val_loss=val_loss,
             tokens_per_s=harmonic_mean(self.history["tokens_per_s"][start_step:]),
             load_imbalance=imbalance(torch.tensor(self.history["load_share"][-1])),
