@@ -7,6 +7,7 @@ stays fast.
 """
 import argparse
 import importlib
+import os
 import sys
 
 
@@ -43,19 +44,49 @@ def add_train_args(p: argparse.ArgumentParser):
     g.add_argument("--device", default=run.device,
                    help="auto (CUDA when there is one), cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt up to --steps")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--nproc", type=int, default=1,
+                   help="processes on this machine, started through torchrun (GPUs with NCCL, else CPU with gloo)")
+    g.add_argument("--ep-size", type=int, default=1,
+                   help="expert-parallel size: experts spread over this many ranks; the rest is data parallel")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def relaunch_with_torchrun(nproc: int) -> int:
+    """`fmoe train --nproc N ...` on one machine: the same command on N ranks through torchrun."""
+    import subprocess
+
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    # torchrun would read --nproc as an abbreviation of its own --nproc-per-node: leave it out.
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip or arg.startswith("--nproc="):
+            skip = False
+            continue
+        skip = arg == "--nproc"
+        if not skip:
+            argv.append(arg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "fmoe.cli", *argv]
+    return subprocess.call(cmd)
 
 
 def run_train(args):
     from fmoe.gpt import GPTConfig
-    from fmoe.train import TrainConfig, train
+    from fmoe.train import TrainConfig, launched_by_torchrun, train
+
+    if args.nproc != 1 and not launched_by_torchrun():
+        return relaunch_with_torchrun(args.nproc)
 
     model_cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, n_head=args.heads,
                           num_expert=args.num_expert, top_k=args.top_k, gate=args.gate, d_hidden=args.d_hidden,
                           aux_coef=args.aux_coef)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
-                      data=args.data, out=args.out, resume=args.resume)
+                      data=args.data, out=args.out, resume=args.resume, ep_size=args.ep_size)
     r = train(cfg, model_cfg, progress=not args.no_progress)
+    if int(os.environ.get("RANK", "0")) > 0:      # one report per run, from rank 0
+        return
     print(f"done: step {r.step} in {r.seconds:.1f} s, {r.tokens_per_s:,.0f} tokens/s while training")
     print(f"loss: {r.first_loss:.3f} (first step) -> {r.last_loss:.3f} (mean of the last {r.last_window}), "
           f"validation {r.val_loss:.3f}")

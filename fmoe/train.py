@@ -8,9 +8,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from fmoe.data import BatchSampler, load_corpus
+from fmoe.distributed import checkpoint as sharded
+from fmoe.distributed.ddp import DistributedGroupedDataParallel, clip_grad_norm_
+from fmoe.distributed.groups import make_groups
 from fmoe.gpt import GPT, GPTConfig
 from fmoe.layer import collect_aux_loss
 
@@ -33,9 +37,10 @@ class TrainConfig:
     eval_batches: int = 20
     sample_bytes: int = 100
     prompt: str = "def "
+    ep_size: int = 1            # expert-parallel size when launched on several processes
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "eval_batches"):
+        for name in ("steps", "batch_size", "eval_batches", "ep_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value!r}")
@@ -59,9 +64,37 @@ class TrainResult:
     sample: str
 
 
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
+
+
+def init_distributed(cfg: TrainConfig):
+    """One rank of `torchrun`: NCCL on GPUs, gloo on CPUs; the expert-parallel groups; a share of the cores."""
+    cuda = torch.cuda.is_available() and cfg.device != "cpu"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world = dist.get_world_size()
+    if world % cfg.ep_size:
+        raise ValueError(f"--ep-size ({cfg.ep_size}) must divide the number of processes ({world})")
+    return make_groups(cfg.ep_size)
+
+
+def mean_over_ranks(value: float) -> float:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.double)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
     try:
         device = torch.device(name)
     except RuntimeError as err:
@@ -93,8 +126,10 @@ def make_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def load_share(model: GPT) -> torch.Tensor:
-    """Each expert's share of the routed rows in the last forward: [n_layer, num_expert], rows sum to 1."""
+    """Each expert's share of the routed rows in the last forward (all ranks): [n_layer, num_expert], rows sum to 1."""
     loads_LE = model.expert_loads()
+    if dist.is_initialized():
+        dist.all_reduce(loads_LE)
     return loads_LE / loads_LE.sum(-1, keepdim=True).clamp_min(1)
 
 
@@ -118,7 +153,7 @@ def evaluate(model: GPT, sampler: BatchSampler, batches: int, device: torch.devi
             logits_BTV, _ = model(x_BT)
         total += F.cross_entropy(logits_BTV.float().flatten(0, 1), y_BT.flatten()).item()
     model.train()
-    return total / batches
+    return mean_over_ranks(total / batches)
 
 
 def sample_text(model: GPT, prompt: str, num_bytes: int, seed: int, device: torch.device) -> str:
@@ -188,34 +223,68 @@ class Trainer:
     """One run: the model, its optimizer and data stream, and the history, set up fresh or from a checkpoint."""
 
     def __init__(self, cfg: TrainConfig, model_cfg: GPTConfig, log: Callable[[str], None] = print):
-        self.cfg, self.log = cfg, log
+        self.cfg = cfg
+        self.groups = init_distributed(cfg) if launched_by_torchrun() else None
+        self.rank = dist.get_rank() if self.groups else 0
+        self.world = dist.get_world_size() if self.groups else 1
+        self.log = log if self.rank == 0 else (lambda message: None)
         self.device = resolve_device(cfg.device)
         self.out = Path(cfg.out)
-        self.ckpt_path = self.out / "checkpoint.pt"
-        state = load_checkpoint(self.ckpt_path, cfg.steps) if cfg.resume else None
+        # One file in one process; a sharded checkpoint folder (resharding on load) on several.
+        self.ckpt_path = self.out / ("checkpoint" if self.groups else "checkpoint.pt")
+        state = self.read_checkpoint() if cfg.resume else None
         if state is not None:
             model_cfg = GPTConfig(**state["model_config"])
         self.model_cfg = model_cfg
         self.corpus = load_corpus(cfg.data, model_cfg.seq_len)
-        log(f"corpus: {self.corpus.source}: {self.corpus.num_files} files, {self.corpus.num_bytes / 2**20:.2f} MiB"
+        self.log(f"corpus: {self.corpus.source}: {self.corpus.num_files} files, {self.corpus.num_bytes / 2**20:.2f} MiB"
             f"{' (capped)' if self.corpus.truncated else ''}")
 
         torch.manual_seed(cfg.seed)
-        self.model = GPT(model_cfg).to(self.device)
+        if self.groups:
+            self.model = GPT(model_cfg, self.groups.ep_size, self.groups.moe_group)
+            # Experts on different ranks are different experts: each expert-parallel rank draws its own.
+            torch.manual_seed(cfg.seed + 1 + dist.get_rank(self.groups.moe_group))
+            for layer in self.model.moe_layers():
+                layer.experts.reset_parameters()
+            self.model.to(self.device)
+            self.synced = DistributedGroupedDataParallel(self.model, groups=self.groups)
+        else:
+            self.model = GPT(model_cfg).to(self.device)
         self.optimizer = make_optimizer(self.model, cfg)
-        self.sampler = BatchSampler(self.corpus.train_N, cfg.batch_size, model_cfg.seq_len, cfg.seed)
+        # Every rank reads its own batches.
+        self.sampler = BatchSampler(self.corpus.train_N, cfg.batch_size, model_cfg.seq_len,
+                                    cfg.seed + 1000 * self.rank)
         self.history = new_history(model_cfg, cfg)
         self.step = 0
         if state is not None:
             self.restore(state)
-            log(f"resumed from {self.ckpt_path} at step {self.step} (model config from the checkpoint)")
+            self.log(f"resumed from {self.ckpt_path} at step {self.step} (model config from the checkpoint)")
         num_params = sum(p.numel() for p in self.model.parameters())
-        log(f"model: {num_params / 1e6:.2f}M parameters, {model_cfg.n_layer} layers x {model_cfg.num_expert} "
-            f"experts (top-{model_cfg.top_k}, {model_cfg.gate} gate), device {self.device}")
+        self.log(f"model: {num_params / 1e6:.2f}M parameters on this rank, {model_cfg.n_layer} layers x "
+                 f"{model_cfg.num_expert} experts (top-{model_cfg.top_k}, {model_cfg.gate} gate), device {self.device}"
+                 + (f"; {self.world} processes, expert-parallel size {self.groups.ep_size}" if self.groups else ""))
+
+    def read_checkpoint(self) -> dict:
+        if not self.groups:
+            return load_checkpoint(self.ckpt_path, self.cfg.steps)
+        state = load_checkpoint(self.ckpt_path / "trainer.pt", self.cfg.steps)
+        rng_path = self.ckpt_path / f"rng-rank{self.rank}.pt"
+        if rng_path.exists():
+            state.update(torch.load(rng_path, weights_only=True))
+        else:       # resumed on more processes than saved it: this rank's batches start afresh
+            self.log(f"note: {rng_path.name} is missing; rank {self.rank} draws fresh batches")
+        return state
 
     def restore(self, state: dict):
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.groups:
+            sharded.load_checkpoint(str(self.ckpt_path), self.model, self.optimizer)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        if "sampler_rng" not in state:
+            self.history, self.step = state["history"], state["step"]
+            return
         self.sampler.generator.set_state(state["sampler_rng"])
         torch.set_rng_state(state["torch_rng"])
         if state["cuda_rng"] and self.device.type == "cuda":
@@ -224,6 +293,8 @@ class Trainer:
 
     def save(self):
         self.history["train_config"] = asdict(self.cfg)
+        if self.groups:
+            return self.save_sharded()
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -239,9 +310,25 @@ class Trainer:
         tmp = self.ckpt_path.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, self.ckpt_path)     # a run killed while saving leaves the previous checkpoint whole
+        return self.write_history()
+
+    def save_sharded(self):
+        """Every rank writes its experts (by global id) and its random states; rank 0 the rest."""
+        sharded.save_checkpoint(str(self.ckpt_path), self.model, self.optimizer)
+        rng = {"sampler_rng": self.sampler.generator.get_state(), "torch_rng": torch.get_rng_state(),
+               "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        torch.save(rng, self.ckpt_path / f"rng-rank{self.rank}.pt")
+        if self.rank == 0:
+            torch.save({"model_config": asdict(self.model_cfg), "train_config": asdict(self.cfg), "step": self.step,
+                        "history": self.history}, self.ckpt_path / "trainer.pt")
+        dist.barrier()
+        return self.write_history()
+
+    def write_history(self):
         history_path, plot_path = self.out / "history.json", self.out / "training.png"
-        history_path.write_text(json.dumps(self.history))
-        plot_history(self.history, plot_path)
+        if self.rank == 0:
+            history_path.write_text(json.dumps(self.history))
+            plot_history(self.history, plot_path)
         return history_path, plot_path
 
     def train_step(self) -> dict:
@@ -255,15 +342,19 @@ class Trainer:
             _, loss = self.model(x_BT, y_BT)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if self.groups:
+            self.synced.allreduce_params()
+            grad_norm = clip_grad_norm_(self.model, self.cfg.grad_clip, self.groups.moe_group)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.step += 1
 
-        aux = collect_aux_loss(self.model).item()
-        ce = loss.item() - self.model_cfg.aux_coef * aux
+        aux = mean_over_ranks(collect_aux_loss(self.model).item())
+        ce = mean_over_ranks(loss.item()) - self.model_cfg.aux_coef * aux
         if not math.isfinite(ce):
             raise FloatingPointError(f"loss became {ce} at step {self.step}; try a lower --lr")
-        tokens_per_s = x_BT.numel() / (time.perf_counter() - step_start)
+        tokens_per_s = x_BT.numel() * self.world / (time.perf_counter() - step_start)
         record = {"step": self.step, "loss": ce, "aux_loss": aux, "lr": lr, "grad_norm": grad_norm.item(),
                   "tokens_per_s": tokens_per_s, "load_share": load_share(self.model).tolist()}
         for key, value in record.items():
@@ -276,7 +367,8 @@ class Trainer:
 
         start_time, start_step = time.perf_counter(), self.step
         self.model.train()
-        bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train", disable=not progress, dynamic_ncols=True)
+        bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train", disable=not progress or self.rank > 0,
+                   dynamic_ncols=True)
         try:
             while self.step < self.cfg.steps:
                 record = self.train_step()
@@ -286,7 +378,7 @@ class Trainer:
                                 load=f"{imbalance(torch.tensor(record['load_share'])):.2f}", refresh=False)
         except KeyboardInterrupt:
             bar.close()
-            if self.step > start_step:
+            if self.step > start_step and not self.groups:      # a sharded save needs every rank
                 self.save()
                 self.log(f"interrupted at step {self.step}: saved {self.ckpt_path}; continue with --resume")
             raise
@@ -321,4 +413,9 @@ def harmonic_mean(rates):
 def train(cfg: TrainConfig, model_cfg: GPTConfig, log: Callable[[str], None] = print,
           progress: bool = True) -> TrainResult:
     """Train (with cfg.resume, continue up to cfg.steps in all) and write the run's outputs to cfg.out."""
-    return Trainer(cfg, model_cfg, log).run(progress)
+    trainer = Trainer(cfg, model_cfg, log)
+    try:
+        return trainer.run(progress)
+    finally:
+        if trainer.groups:
+            dist.destroy_process_group()

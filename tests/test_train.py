@@ -140,3 +140,19 @@ def test_info_runs():
     result = subprocess.run([sys.executable, "-m", "fmoe", "info"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "torch" in result.stdout and "device" in result.stdout and "kernel backends:" in result.stdout
+
+
+def test_train_on_two_processes_with_expert_parallelism_and_reshard_on_resume(corpus_file, tmp_path):
+    out = tmp_path / "ep"
+    base = [sys.executable, "-m", "fmoe.cli", "train", *TINY_MODEL, "--data", str(corpus_file), "--out", str(out),
+            "--no-progress", "--nproc", "2"]
+    first = subprocess.run(base + ["--steps", "4", "--ep-size", "2"], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "expert-parallel size 2" in first.stdout and (out / "checkpoint" / "trainer.pt").exists()
+    # Resume the same run with all experts on every rank (expert-parallel size 1): the checkpoint reshards.
+    second = subprocess.run(base + ["--steps", "6", "--ep-size", "1", "--resume"], capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "done: step 6" in second.stdout
+    history = json.loads((out / "history.json").read_text())
+    assert history["step"] == list(range(1, 7)) and all(map(lambda v: v == v, history["loss"]))

@@ -80,7 +80,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         state.update({f"extra/{k}": v for k, v in extra.items()})
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, overwrite=True), no_dist=not dist.is_initialized())
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,

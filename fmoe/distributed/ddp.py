@@ -54,6 +54,29 @@ def sync_expert_gradients(model: nn.Module, expert_dp_group=None, world_size: Op
     _allreduce_grads(experts, expert_dp_group, world)
 
 
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, moe_group=None) -> torch.Tensor:
+    """Clip by the norm of the whole model's gradient, experts of every rank included, after the
+    gradients are synced: every rank gets the same factor, so replicas stay equal."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    shared_sq = torch.zeros((), device=params[0].grad.device)
+    expert_sq = torch.zeros((), device=params[0].grad.device)
+    for p in params:
+        if is_expert_param(p):
+            expert_sq += p.grad.float().square().sum()
+        else:
+            shared_sq += p.grad.float().square().sum()
+    if dist.is_initialized():
+        dist.all_reduce(expert_sq, group=moe_group)     # each rank holds different experts
+    total = (shared_sq + expert_sq).sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(scale)
+    return total
+
+
 def ignore_expert_parameters_in_ddp(model: nn.Module) -> List[str]:
     """Tell torch's DistributedDataParallel to leave expert parameters alone; call before wrapping.
 
