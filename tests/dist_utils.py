@@ -9,15 +9,17 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A TCP port free right now, for launchers that rendezvous over TCP (DeepSpeed's)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+def _entry(rank, world_size, store_file, fn, args):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A file rendezvous: no TCP port to pick, so no clash with anything else running here.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:
@@ -26,8 +28,5 @@ def _entry(rank, world_size, port, fn, args):
 
 def run_ranks(fn, world_size: int, *args):
     """fn(rank, world_size, *args) on `world_size` processes; an exception on any rank fails the call."""
-    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
-
-
-def scratch_dir() -> str:
-    return tempfile.mkdtemp(prefix="fmoe-test-")
+    with tempfile.TemporaryDirectory(prefix="fmoe-rendezvous-") as folder:
+        mp.spawn(_entry, args=(world_size, os.path.join(folder, "store"), fn, args), nprocs=world_size, join=True)
