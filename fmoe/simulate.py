@@ -63,8 +63,9 @@ def plot(rows: List[dict], distributions: List[str], path: Path):
     fig, axes = plt.subplots(1, len(distributions), figsize=(5 * len(distributions), 4), squeeze=False)
     for ax, dist_name in zip(axes[0], distributions):
         mine = [r for r in rows if r["distribution"] == dist_name]
-        for strategy in STRATEGIES:
-            ax.plot([r["gpus"] for r in mine], [r["seconds"][strategy] * 1e3 for r in mine], marker="o", label=strategy)
+        # Distinct markers and dashes: strategies that tie (e.g. shadowing under uniform load) stay visible.
+        for strategy, style in zip(STRATEGIES, ("o-", "s--", "^:", "x-.")):
+            ax.plot([r["gpus"] for r in mine], [r["seconds"][strategy] * 1e3 for r in mine], style, label=strategy)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(dist_name)
