@@ -11,31 +11,12 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe  # noqa: E402
 from common import RoundRobinGate, machine, time_call, write_json  # noqa: E402
-
-
-class MaskedLoopMoE(nn.Module):
-    """How MoE is written in plain PyTorch: for each expert, select its tokens by mask, add back."""
-
-    def __init__(self, layer: fmoe.FMoE):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x_TD):
-        routing = self.layer.gate(x_TD)
-        ex = self.layer.experts
-        out = torch.zeros_like(x_TD)
-        for e in range(self.layer.tot_expert):
-            token, slot = torch.nonzero(routing.expert_idx_TK == e, as_tuple=True)
-            h = F.gelu(x_TD[token] @ ex.w1_eDF[e] + ex.b1_eF[e])
-            y = (h @ ex.w2_eFD[e] + ex.b2_eD[e]) * routing.weight_TK[token, slot, None]
-            out = out.index_add(0, token, y)
-        return out
+from fmoe.bench.competitors import MaskedLoopMoE  # noqa: E402
 
 
 def main(argv=None):

@@ -16,14 +16,16 @@ def gather_rows_summed(y_ND, row_of_slot_TK, weight_TK=None):
     T, K = row_of_slot_TK.shape
     N, D = y_ND.shape
     acc_dtype = torch.float32 if y_ND.dtype in (torch.float16, torch.bfloat16) else y_ND.dtype
-    y_pad = torch.cat([y_ND, y_ND.new_zeros(1, D)])     # row N is the zero row for drops
-    rows_TK = torch.where(row_of_slot_TK >= 0, row_of_slot_TK, torch.full_like(row_of_slot_TK, N))
-    out_TD = torch.zeros(T, D, dtype=acc_dtype, device=y_ND.device)
-    for k in range(K):
-        picked_TD = y_pad.index_select(0, rows_TK[:, k]).to(acc_dtype)
-        if weight_TK is not None:
-            picked_TD = picked_TD * weight_TK[:, k:k + 1].to(acc_dtype)
-        out_TD += picked_TD
+    if N == 0:
+        return y_ND.new_zeros(T, D)
+    # A dropped slot reads row 0 with scale 0: no zero-padded copy of y, no zero-filled output.
+    # (Row 0 belongs to a kept slot, so it is non-finite only when that slot's token already is.)
+    live_TK = row_of_slot_TK >= 0
+    rows_TK = row_of_slot_TK.clamp_min(0)
+    scale_TK = live_TK.to(acc_dtype) if weight_TK is None else torch.where(live_TK, weight_TK.to(acc_dtype), 0)
+    out_TD = y_ND.index_select(0, rows_TK[:, 0]).to(acc_dtype).mul_(scale_TK[:, :1])
+    for k in range(1, K):
+        out_TD.addcmul_(y_ND.index_select(0, rows_TK[:, k]).to(acc_dtype), scale_TK[:, k:k + 1])
     return out_TD.to(y_ND.dtype)
 
 
@@ -48,14 +50,14 @@ class Unpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TD):
         y_ND, weight_TK, token_N, slot_N, row_of_slot_TK = ctx.saved_tensors
-        grad_TD = grad_TD.contiguous()
+        grad_ND = grad_TD.contiguous().index_select(0, token_N)     # gathered once for both gradients
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
-            weight_N = weight_TK.reshape(-1).index_select(0, slot_N).to(grad_TD.dtype)
-            grad_y = grad_TD.index_select(0, token_N) * weight_N[:, None]
+            weight_N = weight_TK.reshape(-1).index_select(0, slot_N).to(grad_ND.dtype)
+            grad_y = grad_ND * weight_N[:, None]
         if ctx.needs_input_grad[1]:
-            grad_slot_S = torch.zeros(weight_TK.numel(), dtype=torch.float32, device=grad_TD.device)
-            dots_N = (grad_TD.index_select(0, token_N).float() * y_ND.float()).sum(-1)
+            grad_slot_S = torch.zeros(weight_TK.numel(), dtype=torch.float32, device=grad_ND.device)
+            dots_N = (grad_ND.float() * y_ND.float()).sum(-1)
             grad_slot_S[slot_N] = dots_N
             grad_w = grad_slot_S.view_as(weight_TK).to(weight_TK.dtype)
         return grad_y, grad_w, None, None, None
