@@ -101,6 +101,8 @@ class GroupedExperts(nn.Module):
 
     def run(self, x_ND, counts_e, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
         """The experts' MLP with the given stacked weights (shadowing passes pulled ones)."""
+        if kernels.fused_expert_mlp_applies(x_ND, self.activation, self.backend):
+            return kernels.fused_expert_mlp(x_ND, counts_e, self.activation, w1_eDF, w2_eFD, b1_eF, b2_eD)
         h_NF = kernels.grouped_mm(x_ND, w1_eDF, counts_e, b1_eF, self.backend)
         return kernels.grouped_mm(self.act(h_NF), w2_eFD, counts_e, b2_eD, self.backend)
 

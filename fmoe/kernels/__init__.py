@@ -93,3 +93,14 @@ def gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Te
     backward sums each token's K row gradients in a fixed order, as permute's does.
     """
     return _ops(x_TD, backend).gather_grouped_mm(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, bias_eO)
+
+
+def fused_expert_mlp_applies(x_ND: torch.Tensor, activation, backend: Optional[str] = None) -> bool:
+    """The per-expert fused MLP pays on CPU tensors with the torch backend and a built-in activation."""
+    return (not x_ND.is_cuda and resolve_backend(x_ND, backend) == "torch"
+            and activation in torch_ops.FUSED_MLP_ACTIVATIONS)
+
+
+def fused_expert_mlp(x_ND, counts_e, activation: str, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
+    """act(x_seg @ w1[e] + b1[e]) @ w2[e] + b2[e], expert by expert (CPU, torch backend)."""
+    return torch_ops.expert_mlp(x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)

@@ -161,3 +161,69 @@ def gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Te
                       row_of_slot_TK: torch.Tensor, bias_eO: Optional[torch.Tensor] = None) -> torch.Tensor:
     """grouped_mm of the rows x_TD[token_N]: here the permuted copy is made, Triton reads in place."""
     return grouped_mm(Permute.apply(x_TD, token_N, row_of_slot_TK), w_eIO, counts_e, bias_eO)
+
+
+FUSED_MLP_ACTIVATIONS = ("gelu", "relu")
+
+
+def _activation(h, name):
+    return torch.nn.functional.gelu(h) if name == "gelu" else torch.relu(h)
+
+
+def _activation_backward(grad, h, name):
+    if name == "gelu":
+        return torch.ops.aten.gelu_backward(grad, h)
+    return grad * (h > 0)
+
+
+class ExpertMLP(torch.autograd.Function):
+    """The experts' whole MLP, one expert's segment at a time: addmm -> activation -> addmm.
+
+    On a CPU this keeps each expert's hidden rows in cache between the two GEMMs, and saves only
+    the pre-activation (the activation is recomputed in the backward) instead of both.
+    """
+
+    @staticmethod
+    def forward(ctx, x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD):
+        N = x_ND.shape[0]
+        h_NF = x_ND.new_empty(N, w1_eDF.shape[2])
+        y_ND = x_ND.new_empty(N, w2_eFD.shape[2])
+        start = 0
+        for e, n in enumerate(counts_e.tolist()):
+            rows = slice(start, start + n)
+            if b1_eF is None:
+                torch.mm(x_ND[rows], w1_eDF[e], out=h_NF[rows])
+                torch.mm(_activation(h_NF[rows], activation), w2_eFD[e], out=y_ND[rows])
+            else:
+                torch.addmm(b1_eF[e], x_ND[rows], w1_eDF[e], out=h_NF[rows])
+                torch.addmm(b2_eD[e], _activation(h_NF[rows], activation), w2_eFD[e], out=y_ND[rows])
+            start += n
+        ctx.activation, ctx.has_bias = activation, b1_eF is not None
+        ctx.save_for_backward(x_ND, counts_e, w1_eDF, w2_eFD, h_NF)
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        x_ND, counts_e, w1_eDF, w2_eFD, h_NF = ctx.saved_tensors
+        dy_ND = dy_ND.contiguous()
+        dx_ND = torch.empty_like(x_ND)
+        dw1, dw2 = torch.empty_like(w1_eDF), torch.empty_like(w2_eFD)
+        db1, db2 = [], []
+        start = 0
+        for e, n in enumerate(counts_e.tolist()):
+            rows = slice(start, start + n)
+            h, dy = h_NF[rows], dy_ND[rows]
+            torch.mm(_activation(h, ctx.activation).t(), dy, out=dw2[e])
+            dh = _activation_backward(dy @ w2_eFD[e].t(), h, ctx.activation)
+            torch.mm(x_ND[rows].t(), dh, out=dw1[e])
+            torch.mm(dh, w1_eDF[e].t(), out=dx_ND[rows])
+            db1.append(dh.sum(0))
+            db2.append(dy.sum(0))
+            start += n
+        if not ctx.has_bias:
+            return dx_ND, None, None, dw1, dw2, None, None
+        return dx_ND, None, None, dw1, dw2, torch.stack(db1), torch.stack(db2)
+
+
+def expert_mlp(x_ND, counts_e, activation: str, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
+    return ExpertMLP.apply(x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)
