@@ -74,7 +74,11 @@ def _rank_entry(rank, world, port, worker, args, queue):
     result = worker(rank, world, args)
     if rank == 0:
         queue.put(result)
+        queue.close()
+        queue.join_thread()
     dist.destroy_process_group()
+    # gloo may abort in its own teardown at interpreter exit after the work is done: skip it.
+    os._exit(0)
 
 
 def run_on_ranks(worker, world: int, args):

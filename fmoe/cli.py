@@ -85,8 +85,23 @@ def run_train(args):
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
                       data=args.data, out=args.out, resume=args.resume, ep_size=args.ep_size)
     r = train(cfg, model_cfg, progress=not args.no_progress)
-    if int(os.environ.get("RANK", "0")) > 0:      # one report per run, from rank 0
-        return
+    if launched_by_torchrun():
+        report_and_exit(r)
+    print_report(r)
+
+
+def report_and_exit(r):
+    """A torchrun rank: rank 0 reports, then every rank leaves at once. torch's gloo can abort in
+    its own teardown at interpreter exit after all the work is done, which torchrun would report
+    as a failed run."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_report(r)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def print_report(r):
     print(f"done: step {r.step} in {r.seconds:.1f} s, {r.tokens_per_s:,.0f} tokens/s while training")
     print(f"loss: {r.first_loss:.3f} (first step) -> {r.last_loss:.3f} (mean of the last {r.last_window}), "
           f"validation {r.val_loss:.3f}")

@@ -18,7 +18,7 @@ import fmoe  # noqa: E402
 import fmoe.deepspeed as fds  # noqa: E402
 from fmoe.distributed.ddp import DistributedGroupedDataParallel  # noqa: E402
 from fmoe.distributed.groups import ParallelGroups  # noqa: E402
-from tests.dist_utils import free_port  # noqa: E402
+from tests.dist_utils import exit_without_teardown, free_port  # noqa: E402
 
 VOCAB, D, H, T, BATCH, STEPS, LR = 32, 16, 32, 8, 4, 6, 3e-2
 
@@ -119,6 +119,7 @@ def _entry(rank, world, port, fn, args):
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()
 
 
 def run_deepspeed_ranks(fn, world, *args):
