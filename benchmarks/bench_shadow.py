@@ -5,7 +5,8 @@
 Two routings: half of all tokens to expert 0 (the rest spread evenly over the other experts),
 and uniform. Forward+backward time per step with shadowing off and on (the real policy, its
 constants calibrated on this machine), the ratio, and what the performance model predicts for the
-same counts. Writes benchmarks/results/shadow-<device>.json.
+same counts; and, to show what the mechanism itself buys, the hottest expert shadowed whatever
+the model says. Writes benchmarks/results/shadow-<device>.json.
 """
 import argparse
 import statistics
@@ -43,6 +44,14 @@ class PresetGate(BaseGate):
         return idx_TK, weight_TK, weight_TK, logits_TE, logits_TE.new_zeros(())
 
 
+class AlwaysShadowHottest(ShadowPolicy):
+    """Shadows the most loaded expert whatever the model says: what the mechanism itself buys."""
+
+    def choose(self, counts_E, world_size, group=None):
+        counts_WE = self.gather_counts(counts_E, world_size, group)
+        return [int(counts_WE.sum(0).argmax())]
+
+
 def step_time(layer, x, reps):
     def step():
         layer(x).sum().backward()
@@ -63,20 +72,21 @@ def worker(rank, world, args):
     results = {}
     for scenario, hot_share in (("half_to_one_expert", 0.5), ("uniform", 0.0)):
         row = {}
-        for shadow in (False, True):
+        for shadow in (False, True, "forced"):
             torch.manual_seed(0)
-            policy = ShadowPolicy(model) if shadow else False
+            policy = {False: False, True: ShadowPolicy(model), "forced": AlwaysShadowHottest(model)}[shadow]
             layer = fmoe.FMoETransformerMLP(num_expert=e, d_model=args.d_model, d_hidden=args.d_hidden, top_k=1,
                                             world_size=world, gate=PresetGate, gate_kwargs={"hot_share": hot_share},
                                             shadow=policy)
             x = torch.randn(args.tokens, args.d_model, requires_grad=True)
-            row["shadow_on" if shadow else "shadow_off"] = step_time(layer, x, args.reps)
-            if shadow:
+            row[{False: "shadow_off", True: "shadow_on", "forced": "shadow_forced"}[shadow]] = step_time(layer, x, args.reps)
+            if shadow is True:
                 counts_WE = policy.gather_counts(layer.last_counts_E, world)
                 row["shadowed_experts"] = policy.model.choose_shadowed(counts_WE)
                 row["predicted_off"] = model.layer_time(counts_WE)
                 row["predicted_on"] = model.layer_time(counts_WE, row["shadowed_experts"])
         row["speedup"] = row["shadow_off"] / row["shadow_on"]
+        row["forced_speedup"] = row["shadow_off"] / row["shadow_forced"]
         row["predicted_speedup"] = row["predicted_off"] / row["predicted_on"]
         results[scenario] = row
     return {"results": results, "model": {"flops": model.flops, "net_bandwidth": model.net_bandwidth}}
@@ -94,10 +104,12 @@ def main(argv=None):
     m = out["model"]
     print(f"2 ranks x 1 thread, gloo; {args.tokens} tokens/rank, D={args.d_model} F={args.d_hidden}, "
           f"{args.num_expert} experts, top-1; model: {m['flops'] / 1e9:.0f} GFLOP/s, {m['net_bandwidth'] / 1e9:.2f} GB/s")
-    print(f"{'routing':20s}{'off ms':>9s}{'on ms':>9s}{'speedup':>9s}{'model says':>12s}  shadowed")
+    print(f"{'routing':20s}{'off ms':>9s}{'policy ms':>11s}{'speedup':>9s}{'model says':>12s}  shadowed"
+          f"{'hottest forced ms':>19s}{'speedup':>9s}")
     for name, r in out["results"].items():
-        print(f"{name:20s}{r['shadow_off'] * 1e3:9.1f}{r['shadow_on'] * 1e3:9.1f}{r['speedup']:8.2f}x"
-              f"{r['predicted_speedup']:11.2f}x  {r['shadowed_experts']}")
+        print(f"{name:20s}{r['shadow_off'] * 1e3:9.1f}{r['shadow_on'] * 1e3:11.1f}{r['speedup']:8.2f}x"
+              f"{r['predicted_speedup']:11.2f}x  {str(r['shadowed_experts']):8s}"
+              f"{r['shadow_forced'] * 1e3:19.1f}{r['forced_speedup']:8.2f}x")
     path = write_json(f"shadow-{'cuda' if torch.cuda.is_available() else 'cpu'}.json",
                       {"config": vars(args), "machine": machine(), **out})
     print(f"wrote {path}")
