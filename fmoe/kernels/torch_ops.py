@@ -18,14 +18,21 @@ def gather_rows_summed(y_ND, row_of_slot_TK, weight_TK=None):
     acc_dtype = torch.float32 if y_ND.dtype in (torch.float16, torch.bfloat16) else y_ND.dtype
     if N == 0:
         return y_ND.new_zeros(T, D)
-    # A dropped slot reads row 0 with scale 0: no zero-padded copy of y, no zero-filled output.
-    # (Row 0 belongs to a kept slot, so it is non-finite only when that slot's token already is.)
+    # A dropped slot reads row 0 and adds nothing: no zero-padded copy of y, no zero-filled output.
+    # Fewer rows than slots means some were dropped; only then are the reads masked, so a
+    # non-finite row 0 can never leak into another token (0 * inf would be NaN).
     live_TK = row_of_slot_TK >= 0
+    has_drops = N < T * K
     rows_TK = row_of_slot_TK.clamp_min(0)
     scale_TK = live_TK.to(acc_dtype) if weight_TK is None else torch.where(live_TK, weight_TK.to(acc_dtype), 0)
-    out_TD = y_ND.index_select(0, rows_TK[:, 0]).to(acc_dtype).mul_(scale_TK[:, :1])
+
+    def picked(k):
+        rows_TD = y_ND.index_select(0, rows_TK[:, k]).to(acc_dtype)
+        return rows_TD.masked_fill_(~live_TK[:, k:k + 1], 0) if has_drops else rows_TD
+
+    out_TD = picked(0).mul_(scale_TK[:, :1])
     for k in range(1, K):
-        out_TD.addcmul_(y_ND.index_select(0, rows_TK[:, k]).to(acc_dtype), scale_TK[:, k:k + 1])
+        out_TD.addcmul_(picked(k), scale_TK[:, k:k + 1])
     return out_TD.to(y_ND.dtype)
 
 
