@@ -110,7 +110,7 @@ class FMoE(nn.Module):
             check_expert_parallel_config(self)
             self.checked_with_peers = True
         x_TD = x.reshape(-1, self.d_model)
-        routing = self.gate(x_TD)
+        routing = self.gate.routing(x_TD)
         if self.gate_hook is not None:
             self.gate_hook(routing.expert_idx_TK, routing.weight_TK, None)
         plan = RoutingPlan.build(routing.expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,

@@ -5,7 +5,7 @@ import torch
 def per_token_moe(layer, x):
     """sum over k of weight[t, k] * expert_{idx[t, k]}(x[t]), token by token, from the layer's own gate."""
     x_TD = x.reshape(-1, layer.d_model)
-    routing = layer.gate(x_TD)
+    routing = layer.gate.routing(x_TD)
     rows = []
     for t in range(x_TD.shape[0]):
         acc = torch.zeros(layer.d_model, dtype=torch.float32, device=x.device)

@@ -61,7 +61,7 @@ def build_per_token(w: Workload, tokens: int = PER_TOKEN_TOKENS) -> Contender:
     layer = w.layer
 
     def per_token_loop(x_TD):
-        routing = layer.gate(x_TD)
+        routing = layer.gate.routing(x_TD)
         idx_TK = routing.expert_idx_TK.tolist()
         rows = []
         for t, experts in enumerate(idx_TK):
@@ -84,7 +84,7 @@ class MaskedLoopMoE(nn.Module):
         self.layer = layer
 
     def forward(self, x_TD):
-        routing = self.layer.gate(x_TD)
+        routing = self.layer.gate.routing(x_TD)
         out = torch.zeros_like(x_TD)
         for e in range(self.layer.tot_expert):
             token, slot = torch.nonzero(routing.expert_idx_TK == e, as_tuple=True)
@@ -129,7 +129,7 @@ def build_grouped_mm(w: Workload) -> Contender:
     ex = layer.experts
 
     def grouped(x_TD):
-        routing = layer.gate(x_TD)
+        routing = layer.gate.routing(x_TD)
         idx_S = routing.expert_idx_TK.reshape(-1)
         order_N = torch.argsort(idx_S, stable=True)
         offs_E = torch.cumsum(torch.bincount(idx_S, minlength=E), 0, dtype=torch.int32)
@@ -192,7 +192,7 @@ class RoutingAsLogitsGate(nn.Module):
     def forward(self, x_TD, used_token=None, sparse_routes=False, use_tutel=False):
         from deepspeed.moe.sharded_moe import top1gating, top2gating, topkgating
 
-        routing = self.fmoe_gate(x_TD)
+        routing = self.fmoe_gate.routing(x_TD)
         logits_TE = torch.full((x_TD.shape[0], self.fmoe_gate.tot_expert), -1e4, device=x_TD.device)
         logits_TE = logits_TE.scatter(1, routing.expert_idx_TK, routing.weight_TK.float().clamp_min(1e-30).log())
         g = self.ds_gate

@@ -89,6 +89,10 @@ class BaseGate(nn.Module):
         raise NotImplementedError
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
+        return self.routing(x_TD)
+
+    def routing(self, x_TD: torch.Tensor) -> Routing:
+        """The full routing decision; `FMoE` and every fmoe component call this, never `forward`."""
         expert_idx_TK, weight_TK, score_TK, logits_TE, aux = self.route(x_TD)
         if self.z_loss_coef:
             aux = aux + self.z_loss_coef * z_loss(logits_TE)
