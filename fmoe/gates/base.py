@@ -137,6 +137,7 @@ class BaseGate(nn.Module):
 
     keeps_fp32 = False       # fmoe's own gates keep their parameters at least fp32
     drop_by = "score"        # capacity keeps each expert's best slots; "order" keeps the first ones
+    unroute_before_capacity = False
 
     def __init__(self, *args, **kwargs):
         super().__init__()
@@ -193,6 +194,8 @@ class BaseGate(nn.Module):
         if self.z_loss_coef:
             aux = aux + self.z_loss_coef * z_loss(logits_TE)
         num_dropped = torch.zeros((), dtype=torch.long, device=x_TD.device)
+        if self.unroute_before_capacity:
+            expert_idx_TK, weight_TK, num_unrouted = self.unroute(expert_idx_TK, weight_TK)
         factor = self.capacity_factor
         if factor is not None:
             cap = self.expert_capacity(factor, x_TD.shape[0])
@@ -201,7 +204,8 @@ class BaseGate(nn.Module):
             expert_idx_TK, weight_TK, num_dropped = drop_over_capacity(
                 expert_idx_TK, weight_TK, score_TK, self.tot_expert, cap
             )
-        expert_idx_TK, weight_TK, num_unrouted = self.unroute(expert_idx_TK, weight_TK)
+        if not self.unroute_before_capacity:
+            expert_idx_TK, weight_TK, num_unrouted = self.unroute(expert_idx_TK, weight_TK)
         self.set_loss(aux)
         return Routing(expert_idx_TK, weight_TK, aux, num_dropped + num_unrouted, num_unrouted)
 

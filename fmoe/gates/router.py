@@ -142,8 +142,12 @@ class RouterGate(BaseGate):
         options.update(overrides)
         return cls(d_model, num_expert, world_size, preset_top_k if top_k is None else top_k, **options)
 
+    def router_logits(self, x_TD):
+        """The router projection; a gate with noise on its logits overrides this."""
+        return self.gate(x_TD)
+
     def route(self, x_TD):
-        logits_TE = self.gate(x_TD)
+        logits_TE = self.router_logits(x_TD)
         if self.sparsemixer:
             weight_TK, expert_idx_TK = sparsemixer_top2(logits_TE, self.jitter_eps, self.training)
         elif self.softmax_after_topk:
