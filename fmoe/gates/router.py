@@ -15,8 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from fmoe.gates.base import (BaseGate, LinearRouter, check_bool, check_choice, check_float, check_int,
-                             routing_dtype)
+from fmoe.gates.base import BaseGate, LinearRouter, check_bool, check_choice, check_float, check_int
 
 SELECTION_BIAS = (None, "frozen", "updated")
 GROUP_SCORE = ("top2_sum", "max")
