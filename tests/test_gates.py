@@ -369,7 +369,7 @@ def test_faster_gate_fastmoe_semantics(fraction):
     with torch.no_grad():
         gate.gate.proj.bias.copy_(torch.tensor([0, 0, 0, 0, 1.0, 1.0, 1.0, 1.0]))   # remote experts look best
     x = torch.randn(60, 8)
-    logits = gate.gate(x)
+    logits = gate.gate(x).detach()
     expected = fastermoe_oracle(logits, torch.arange(8) >= 4, fraction)
     idx, val = gate(x)
     assert torch.equal(idx, expected)
