@@ -137,7 +137,7 @@ class FMoE(nn.Module):
             raise ValueError(f"{self.label}: input is on {x.device}, the layer's parameters on "
                              f"{', '.join(sorted(map(str, devices)))}: move one to the other")
         dtypes = {p.dtype for p in params}
-        if dtypes and x.dtype not in dtypes and not torch.is_autocast_enabled(x.device.type):
+        if dtypes and x.dtype not in dtypes:
             raise ValueError(f"{self.label}: input dtype {x.dtype} does not match the layer's parameters' "
                              f"{', '.join(sorted(map(str, dtypes)))}: cast the input or the layer (layer.to(dtype))")
 
