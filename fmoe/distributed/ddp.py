@@ -72,7 +72,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, moe_group=None) -> torch.
         else:
             shared_sq += p.grad.float().square().sum()
     if dist.is_initialized():
-        dist.all_reduce(expert_sq, group=moe_group)     # each rank holds different experts
+        # each rank holds different experts
+        wait(dist.all_reduce(expert_sq, group=moe_group, async_op=True), "clip_grad_norm_: all-reduce of the norm")
     total = (shared_sq + expert_sq).sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in params:

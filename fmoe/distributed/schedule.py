@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fmoe.distributed.exchange import ExchangePlan, expert_major_order
+from fmoe.distributed.timeout import wait
 from fmoe.env import env_flag, env_int
 
 DISPATCH, COMBINE, GRAD_OUT, GRAD_IN = 0, 1, 2, 3      # message tags, one per direction of travel
@@ -84,7 +85,7 @@ class _Ring:
 
 def _wait(works):
     for w in works:
-        w.wait()
+        wait(w, "the smart schedule's point-to-point exchange")
 
 
 class ScheduledExperts(torch.autograd.Function):
