@@ -107,7 +107,7 @@ class DistributedGroupedDataParallel(nn.Module):
 
     `groups=make_groups(ep_size)` (or `expert_dp_group=`) selects fmoe's scaling, under which
     training equals one process on the global batch: the experts of expert-parallel layers
-    (tagged "none") are all-reduced over the ranks holding the same experts and divided by the
+    (whatever their tag) are all-reduced over the ranks holding the same experts and divided by the
     world size, and those of single-rank layers (replicated everywhere) averaged over the world.
     """
 
@@ -138,8 +138,10 @@ class DistributedGroupedDataParallel(nn.Module):
 
     def _tag(self, p: nn.Parameter, sharded: set) -> str:
         tag = getattr(p, "dp_comm", "dp")
+        if self.fmoe_scaling and id(p) in sharded:
+            return SHARDED_EXPERTS          # whatever the tag: no other rank of the world holds them all
         if self.fmoe_scaling and tag == "none" and is_expert_param(p):
-            return SHARDED_EXPERTS if id(p) in sharded else "world"
+            return "world"                  # a replicated layer's experts
         return tag
 
     def _group_of(self, tag: str):
