@@ -467,13 +467,15 @@ def check_disagreeing_ranks_raise(rank, world):
             raise AssertionError(f"ranks differing in {field} ({kw}) did not raise")
 
 
-def check_zero_tokens_every_gate(rank, world, gates, training):
-    """One rank without tokens, the other with some: every collective is reached by both."""
+def check_zero_tokens_every_gate(rank, world, eval_gates, training_gates):
+    """One rank without tokens, the other with some: every collective is reached by both, in
+    evaluation (outputs equal one process) and in training (forward and backward complete)."""
     e = 2
-    for gate in gates:
+    for gate, training in [(g, False) for g in eval_gates] + [(g, True) for g in training_gates]:
         torch.manual_seed(0)
         kw = {"capacity": None} if gate in ("gshard", "switch") else {}
-        layer = fmoe.FMoETransformerMLP(num_expert=e, d_model=D, d_hidden=H, top_k=1 if gate == "switch" else 2,
+        top_k = 1 if gate == "switch" else 2
+        layer = fmoe.FMoETransformerMLP(num_expert=e, d_model=D, d_hidden=H, top_k=top_k,
                                         world_size=world, gate=gate, gate_kwargs=kw).train(training)
         for tokens in ([0, 6], [6, 0], [0, 0]):
             x = torch.randn(tokens[rank], D, requires_grad=True)
@@ -481,7 +483,7 @@ def check_zero_tokens_every_gate(rank, world, gates, training):
             (y.sum() + (layer.aux_loss if layer.aux_loss is not None else 0)).backward()
             assert y.shape == x.shape and x.grad.shape == x.shape, (gate, tokens)
         if not training:
-            full, ep = build_pair(gate, 1 if gate == "switch" else 2, e, world, rank)
+            full, ep = build_pair(gate, top_k, e, world, rank)
             x_all = torch.randn(5, D, generator=torch.Generator().manual_seed(1))
             lo, hi = (0, 0) if rank == 0 else (0, 5)
             torch.testing.assert_close(ep(x_all[lo:hi]), full(x_all)[lo:hi], atol=1e-5, rtol=1e-5)
