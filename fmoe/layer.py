@@ -13,6 +13,7 @@ from fmoe.distributed.shadow import make_shadow_policy, shadowed_experts_forward
 from fmoe.distributed.timeout import set_current_layer
 from fmoe.experts import GroupedExperts, ModuleListExperts
 from fmoe.gates import NaiveGate, make_gate
+from fmoe.gates.base import accepts_keyword
 from fmoe.routing import RoutingPlan
 
 
@@ -81,7 +82,7 @@ class FMoE(nn.Module):
         kernels.check_backend(backend)      # a typo here (or in FMOE_BACKEND) fails now, not at the first forward
         self.backend = backend
         gate_kwargs = dict(gate_kwargs or {})
-        if isinstance(gate, (str, type)):
+        if isinstance(gate, str) or isinstance(gate, type) and accepts_keyword(gate, "gate_bias"):
             gate_kwargs.setdefault("gate_bias", gate_bias)
         self.gate = make_gate(gate, d_model, num_expert, self.world_size, top_k, **gate_kwargs)
         self.top_k = self.gate.top_k

@@ -47,40 +47,6 @@ def test_scheduling_equals_plain_expert_parallelism(world):
     run_ranks(shadow_workers.check_schedule_equals_plain, world)
 
 
-@pytest.mark.parametrize("fraction,top_k", [(0.0, 1), (0.14, 2), (0.3, 2), (1.0, 3)])
-def test_topology_gate_never_exceeds_outgoing_share(fraction, top_k):
-    from fmoe.gates import FasterGate
-    torch.manual_seed(0)
-    # 4 ranks, 2 per node, 2 experts per rank: rank 1 sits on node 0 with experts 0-3.
-    gate = FasterGate(8, 2, world_size=4, top_k=top_k, gpus_per_node=2, outgoing_fraction=fraction, ep_rank=1)
-    with torch.no_grad():
-        gate.gate.proj.bias.copy_(torch.tensor([0, 0, 0, 0, 3.0, 3.0, 3.0, 3.0]))   # remote experts look best
-    x = torch.randn(100, 8)
-    r = gate.routing(x)
-    leaving = (r.expert_idx_TK >= 4).sum().item()
-    assert leaving <= int(fraction * 100 * top_k)
-    assert leaving == min(int(fraction * 100 * top_k), 100 * top_k)     # the allowance is used, not wasted
-    # Each token still has top_k distinct experts, weights summing to 1.
-    assert all(len(set(row)) == top_k for row in r.expert_idx_TK.tolist())
-    torch.testing.assert_close(r.weight_TK.sum(-1), torch.ones(100))
-    # The kept outgoing slots are the best-scoring ones.
-    if 0 < leaving < 100 * top_k:
-        logits = gate.gate(x)
-        unconstrained_top = torch.topk(logits, top_k).values.max(-1).values
-        kept_tokens = (r.expert_idx_TK >= 4).any(-1)
-        assert unconstrained_top[kept_tokens].min() >= unconstrained_top[~kept_tokens].max() - 1e-6
-
-
-def test_topology_gate_single_node_is_naive():
-    from fmoe.gates import FasterGate, NaiveGate
-    torch.manual_seed(0)
-    faster = FasterGate(8, 4, world_size=1, top_k=2, outgoing_fraction=0.0)
-    naive = NaiveGate(8, 4, 1, 2)
-    naive.load_state_dict(faster.state_dict())
-    x = torch.randn(20, 8)
-    assert torch.equal(faster(x).expert_idx_TK, naive(x).expert_idx_TK)
-
-
 def test_schedule_model_hand_values():
     from fmoe.perfmodel import pipeline_time
     assert pipeline_time([1.0, 2.0, 1.0], 1) == 4.0

@@ -1,10 +1,11 @@
 """Gates: `x_TD -> Routing`. `make_gate` builds one from a name, a class or an instance."""
 from fmoe.gates.balanced import BalancedGate
-from fmoe.gates.base import BaseGate, Routing
+from fmoe.gates.base import BaseGate, Routing, accepts_keyword
 from fmoe.gates.faster import FasterGate
 from fmoe.gates.gshard import GShardGate
 from fmoe.gates.naive import NaiveGate
 from fmoe.gates.noisy import NoisyGate
+from fmoe.gates.router import PRESETS, RouterGate
 from fmoe.gates.switch import SwitchGate
 
 GATES = {
@@ -14,6 +15,7 @@ GATES = {
     "switch": SwitchGate,
     "balanced": BalancedGate,
     "faster": FasterGate,
+    "router": RouterGate,
 }
 
 
@@ -26,8 +28,11 @@ def make_gate(gate, d_model: int, num_expert: int, world_size: int, top_k: int, 
         gate = GATES[gate.lower()]
     if not (isinstance(gate, type) and issubclass(gate, BaseGate)):
         raise TypeError(f"gate must be a gate name, a BaseGate subclass or instance, got {gate!r}")
+    if accepts_keyword(gate, "top_k"):
+        # By name: FasterGate's fourth positional argument is FastMoE's `node_rank`.
+        return gate(d_model, num_expert, world_size, top_k=top_k, **gate_kwargs)
     return gate(d_model, num_expert, world_size, top_k, **gate_kwargs)
 
 
 __all__ = ["BaseGate", "Routing", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate",
-           "FasterGate", "GATES", "make_gate"]
+           "FasterGate", "RouterGate", "PRESETS", "GATES", "make_gate"]

@@ -9,6 +9,21 @@ def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, tot_exp
     return int(math.ceil(capacity_factor * num_tokens * top_k / tot_expert))
 
 
+def fastmoe_capacity(capacity_factor: float, num_tokens: int, top_k: int, tot_expert: int) -> int:
+    """FastMoE's GShard capacity: ceil(factor * tokens) * top_k // experts (rounds down after)."""
+    return int(math.ceil(capacity_factor * num_tokens)) * top_k // tot_expert
+
+
+CAPACITY_FORMULAS = {"exact": expert_capacity, "fastmoe": fastmoe_capacity}
+
+
+def count_per_expert(idx_N: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of `idx_N` (ids in [0, num_experts)) name each expert; unlike `bincount` its size
+    is known without reading the ids, so no device-to-host sync."""
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=idx_N.device)
+    return counts_E.scatter_add_(0, idx_N.reshape(-1), torch.ones_like(idx_N.reshape(-1)))
+
+
 def drop_over_capacity(expert_idx_TK, weight_TK, score_TK, tot_expert: int, capacity: int):
     """Keep each expert's `capacity` highest-scoring slots; drop the rest (index -1, weight 0).
 
@@ -24,7 +39,7 @@ def drop_over_capacity(expert_idx_TK, weight_TK, score_TK, tot_expert: int, capa
     by_expert = torch.sort(key, stable=True).indices
     order = by_score[by_expert]
     sorted_expert = key[by_expert]
-    counts = torch.bincount(sorted_expert, minlength=tot_expert + 1)
+    counts = count_per_expert(sorted_expert, tot_expert + 1)
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[sorted_expert]
     keep_sorted = (rank_in_expert < capacity) & (sorted_expert < tot_expert)

@@ -1,51 +1,72 @@
-"""FasterGate: the topology-aware gate of FasterMoE. At most `outgoing_fraction` of the routed
-slots of a rank may go to experts on other nodes; the best-scoring ones keep their choice, the
-others are re-routed to the best experts on their own node."""
+"""FasterGate: the topology-aware gate of FasterMoE, with FastMoE's semantics.
+
+Tokens whose first choice is an expert on another node are *outgoing*. When there are at least
+`int(outgoing_fraction * T)` of them, every token takes its top-k among the experts of its own
+node, except the `int(outgoing_fraction * T)` outgoing tokens with the highest first-choice
+logits, which put their first choice back in their last slot. Weights are a softmax over the
+chosen logits. No value is read back to the host: both outcomes are computed and one is kept.
+"""
 import math
 import os
 
 import torch
 
-from fmoe.gates.base import BaseGate, LinearRouter
+from fmoe.gates.base import check_float, check_int
+from fmoe.gates.router import RouterGate
 
 
-class FasterGate(BaseGate):
-    def __init__(self, d_model, num_expert, world_size=1, top_k=2, gate_bias=True, capacity=None, z_loss_coef=0.0,
-                 gpus_per_node=None, outgoing_fraction=None, ep_rank=None):
-        super().__init__(d_model, num_expert, world_size, top_k, capacity, z_loss_coef)
-        self.gpus_per_node = int(gpus_per_node if gpus_per_node is not None
-                                 else os.environ.get("FMOE_TOPO_GPUS_PER_NODE", 8))
-        self.outgoing_fraction = float(outgoing_fraction if outgoing_fraction is not None
-                                       else os.environ.get("FMOE_TOPO_OUTGOING_FRACTION", 0.14))
-        if self.gpus_per_node < 1:
-            raise ValueError(f"gpus_per_node (FMOE_TOPO_GPUS_PER_NODE) must be >= 1, got {self.gpus_per_node}")
-        if not 0 <= self.outgoing_fraction <= 1:
-            raise ValueError(f"outgoing_fraction (FMOE_TOPO_OUTGOING_FRACTION) must be in [0, 1], "
-                             f"got {self.outgoing_fraction}")
+def topology_option(name: str, value, env: str, default, parse, check):
+    """An explicit value, else the environment variable `env` (named in any error), else `default`."""
+    if value is not None:
+        return check(name, value)
+    raw = os.environ.get(env)
+    if raw is None:
+        return default
+    try:
+        return check(name, parse(raw))
+    except ValueError as err:
+        raise ValueError(f"environment variable {env}={raw!r} is invalid: {err}") from None
+
+
+class FasterGate(RouterGate):
+    """`FasterGate(d_model, num_expert, world_size, node_rank)` as FastMoE's. `node_rank` None:
+    the node of `ep_rank` (FMoE sets it to this rank's place in the expert-parallel group)."""
+
+    def __init__(self, d_model, num_expert, world_size=1, node_rank=None, gate_bias=True, *, top_k=2,
+                 capacity=None, z_loss_coef=0.0, gpus_per_node=None, outgoing_fraction=None, ep_rank=None):
+        super().__init__(d_model, num_expert, world_size, top_k, softmax_after_topk=True, gate_bias=gate_bias,
+                         capacity=capacity, z_loss_coef=z_loss_coef)
+        self.gpus_per_node = topology_option("gpus_per_node", gpus_per_node, "FMOE_TOPO_GPUS_PER_NODE", 8,
+                                             int, check_int)
+        self.outgoing_fraction = topology_option("outgoing_fraction", outgoing_fraction,
+                                                 "FMOE_TOPO_OUTGOING_FRACTION", 0.14, float,
+                                                 lambda n, v: check_float(n, v, 0.0, 1.0))
         on_node = min(self.gpus_per_node, world_size) * num_expert
-        if on_node < top_k:
+        if on_node < self.top_k:
             raise ValueError(f"top_k={top_k} exceeds the {on_node} experts on one node (gpus_per_node * num_expert)")
-        self.gate = LinearRouter(d_model, self.tot_expert, bias=gate_bias)
-        self.ep_rank = ep_rank or 0       # FMoE sets it to the rank in the expert-parallel group
+        self.node_rank = None if node_rank is None else check_int("node_rank", node_rank, low=0)
+        self.ep_rank = 0 if ep_rank is None else check_int("ep_rank", ep_rank, low=0)
 
     def expert_on_my_node_E(self, device) -> torch.Tensor:
+        node = self.ep_rank // self.gpus_per_node if self.node_rank is None else self.node_rank
         owner_E = torch.arange(self.tot_expert, device=device) // self.num_expert
-        return owner_E // self.gpus_per_node == self.ep_rank // self.gpus_per_node
+        return owner_E // self.gpus_per_node == node
 
     def route(self, x_TD):
-        logits_TE = self.gate(x_TD)
-        top_TK, idx_TK = torch.topk(logits_TE, self.top_k, dim=-1)
-        on_node_E = self.expert_on_my_node_E(x_TD.device)
-        leaving_TK = ~on_node_E[idx_TK]
-        limit = math.floor(self.outgoing_fraction * idx_TK.numel())
-        if int(leaving_TK.sum()) > limit:
-            # Keep the `limit` best-scoring outgoing slots; every token then picks its top-k among
-            # its kept outgoing experts and all experts of its own node.
-            leaving_scores = torch.where(leaving_TK, top_TK.detach().float(), torch.tensor(-math.inf)).reshape(-1)
-            kept = torch.topk(leaving_scores, limit).indices if limit else leaving_scores.new_zeros(0, dtype=torch.long)
-            allowed_TE = on_node_E.expand_as(logits_TE).clone()
-            allowed_TE[kept // self.top_k, idx_TK.reshape(-1)[kept]] = True
-            top_TK, idx_TK = torch.topk(logits_TE.masked_fill(~allowed_TE, -math.inf), self.top_k, dim=-1)
-        weight_TK = torch.softmax(top_TK.float(), dim=-1)
-        aux = logits_TE.new_zeros((), dtype=torch.float32)
-        return idx_TK, weight_TK, weight_TK, logits_TE, aux
+        logits_TE = self.router_logits(x_TD)
+        K = self.top_k
+        top_TK, idx_TK = torch.topk(logits_TE, K, dim=-1)
+        off_node_E = ~self.expert_on_my_node_E(x_TD.device)
+        first_T = idx_TK[:, 0]
+        outgoing_T = off_node_E[first_T]
+        limit = int(x_TD.shape[0] * self.outgoing_fraction)
+        with torch.no_grad():
+            ranked_T = top_TK[:, 0].masked_fill(~outgoing_T, -math.inf)
+            kept_T = torch.zeros_like(outgoing_T).scatter(0, torch.topk(ranked_T, limit).indices, True)
+            local_idx_TK = torch.topk(logits_TE.masked_fill(off_node_E, -math.inf), K, dim=-1).indices
+            last_K = torch.where(kept_T & outgoing_T, first_T, local_idx_TK[:, K - 1])
+            capped_idx_TK = torch.cat([local_idx_TK[:, :K - 1], last_K[:, None]], dim=1)
+            over_limit = outgoing_T.sum() >= limit
+            idx_TK = torch.where(over_limit, capped_idx_TK, idx_TK)
+        weight_TK = torch.softmax(logits_TE.gather(1, idx_TK), dim=-1)
+        return idx_TK, weight_TK, weight_TK, logits_TE, logits_TE.new_zeros(())
