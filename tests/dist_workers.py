@@ -354,7 +354,8 @@ def check_dgdp_options(rank, world):
     for name, g in fp32.items():
         wide = local[name].float() / world
         dist.all_reduce(wide)
-        assert g.dtype == torch.bfloat16 and torch.equal(g, wide.to(torch.bfloat16)), f"fp32_allreduce {name}"
+        assert g.dtype == local[name].dtype and torch.equal(g, wide.to(g.dtype)), f"fp32_allreduce {name}"
+    assert any(g.dtype == torch.bfloat16 for g in fp32.values())
 
 
 class _NoSync(nn.Module):
