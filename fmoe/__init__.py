@@ -1,4 +1,5 @@
 """fmoe: Mixture-of-Experts for PyTorch, pure Python + Triton, FastMoE-compatible."""
+from fmoe.distributed.ddp import DistributedGroupedDataParallel
 from fmoe.experts import FMoELinear, GroupedExperts
 from fmoe.gates import BalancedGate, BaseGate, FasterGate, GShardGate, NaiveGate, NoisyGate, Routing, SwitchGate
 from fmoe.layer import FMoE, collect_aux_loss
@@ -10,5 +11,5 @@ __version__ = "0.1.0"
 __all__ = [
     "FMoE", "FMoETransformerMLP", "FMoELinear", "GroupedExperts", "RoutingPlan", "Routing",
     "BaseGate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate", "FasterGate",
-    "collect_aux_loss", "moefy",
+    "collect_aux_loss", "moefy", "DistributedGroupedDataParallel",
 ]

@@ -10,16 +10,35 @@ from fmoe.distributed import exchange
 from fmoe.distributed.check import check_expert_parallel_config
 from fmoe.distributed.schedule import group_size_from_env, schedule_enabled_by_env, scheduled_experts
 from fmoe.distributed.shadow import make_shadow_policy, shadowed_experts_forward
+from fmoe.distributed.timeout import set_current_layer
 from fmoe.experts import GroupedExperts, ModuleListExperts
 from fmoe.gates import NaiveGate, make_gate
 from fmoe.gates.base import accepts_keyword
 from fmoe.routing import RoutingPlan
 
 
+def positive_int(name: str, value, meaning: str = "") -> int:
+    """`value` if it is an int >= 1; a bool is refused (True would silently mean 1)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{meaning}, got {value!r}")
+    return value
+
+
+def check_activation(activation, d_hidden: int):
+    """A callable activation must keep the hidden width, or the second GEMM fails far from the cause."""
+    if isinstance(activation, str):
+        return
+    probe = torch.zeros(2, d_hidden)
+    out = activation(probe)
+    if not isinstance(out, torch.Tensor) or out.shape != probe.shape:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"activation {activation!r} must keep its input's shape [rows, d_hidden={d_hidden}], "
+                         f"it turned (2, {d_hidden}) into {shape}")
+
+
 def check_world(world_size, moe_group) -> int:
     """The expert-parallel world: `world_size` ranks, which must exist when it is above 1."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    positive_int("world_size", world_size)
     if world_size > 1 or moe_group is not None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(
@@ -51,15 +70,16 @@ class FMoE(nn.Module):
                  expert_bias=True, gate_kwargs=None, backend: Optional[str] = None, shadow=None,
                  schedule=None, schedule_group_size=None):
         super().__init__()
-        if not isinstance(d_model, int) or d_model < 1:
-            raise ValueError(f"d_model must be a positive int, got {d_model!r}")
-        if not isinstance(num_expert, int) or num_expert < 1:
-            raise ValueError(f"num_expert must be a positive int (experts per rank), got {num_expert!r}")
+        positive_int("d_model", d_model)
+        positive_int("num_expert", num_expert, " (experts per rank)")
+        if d_hidden is not None:
+            positive_int("d_hidden", d_hidden)
         self.world_size = check_world(world_size, moe_group)
         self.moe_group = moe_group
         self.num_expert = num_expert
         self.d_model = d_model
         self.tot_expert = num_expert * self.world_size
+        kernels.check_backend(backend)      # a typo here (or in FMOE_BACKEND) fails now, not at the first forward
         self.backend = backend
         gate_kwargs = dict(gate_kwargs or {})
         if isinstance(gate, str) or isinstance(gate, type) and accepts_keyword(gate, "gate_bias"):
@@ -76,20 +96,21 @@ class FMoE(nn.Module):
             self.experts = ModuleListExperts(expert, num_expert, d_model)
         elif d_hidden is not None:
             self.experts = GroupedExperts(num_expert, d_model, d_hidden, activation, bias=expert_bias, backend=backend)
+            check_activation(self.experts.activation, d_hidden)
         else:
             raise ValueError("FMoE needs its experts: pass expert= (a module class) or d_hidden= (stacked MLP experts)")
         mark_expert_parameters(self.experts)
         self.schedule = schedule_enabled_by_env() if schedule is None else bool(schedule)
-        self.schedule_group_size = schedule_group_size or group_size_from_env()
-        if not isinstance(self.schedule_group_size, int) or self.schedule_group_size < 1:
-            raise ValueError(f"schedule_group_size must be a positive int, got {self.schedule_group_size!r}")
+        self.schedule_group_size = positive_int("schedule_group_size",
+                                                schedule_group_size if schedule_group_size is not None
+                                                else group_size_from_env())
         self.shadow_policy = make_shadow_policy(shadow, d_model, d_hidden if expert is None else None,
                                                 self.world_size)
         self.gate_hook = gate_hook
         self.aux_loss = None
         self.last_counts_E = None
         self.last_num_dropped = None
-        self.checked_with_peers = False
+        self.layer_index = None        # set by the check with the other ranks, before the first exchange
 
     @property
     def moe_rank(self) -> int:
@@ -97,19 +118,46 @@ class FMoE(nn.Module):
         [moe_rank * num_expert, (moe_rank + 1) * num_expert)."""
         return dist.get_rank(self.moe_group) if self.world_size > 1 else 0
 
+    @property
+    def label(self) -> str:
+        """How messages name this layer."""
+        where = f"expert-parallel layer #{self.layer_index} " if self.layer_index is not None else ""
+        return f"{where}{type(self).__name__}(num_expert={self.num_expert}, d_model={self.d_model})"
+
     def check_input(self, x):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{self.label}: x must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+            raise TypeError(f"{self.label}: x must be a floating-point tensor, got dtype {x.dtype}")
         if x.dim() < 1 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have last dimension d_model={self.d_model}, got shape {tuple(x.shape)}")
+            raise ValueError(f"{self.label}: x must have last dimension d_model={self.d_model}, "
+                             f"got shape {tuple(x.shape)}")
+        params = [p for p in self.parameters() if p.is_floating_point()]
+        devices = {p.device for p in params}
+        if devices and x.device not in devices:
+            raise ValueError(f"{self.label}: input is on {x.device}, the layer's parameters on "
+                             f"{', '.join(sorted(map(str, devices)))}: move one to the other")
+        dtypes = {p.dtype for p in params}
+        if dtypes and x.dtype not in dtypes:
+            raise ValueError(f"{self.label}: input dtype {x.dtype} does not match the layer's parameters' "
+                             f"{', '.join(sorted(map(str, dtypes)))}: cast the input or the layer (layer.to(dtype))")
+
+    def check_with_peers(self, x):
+        """Before the first exchange, every rank agrees on the layer; every forward names the layer
+        in the collectives' timeout messages."""
+        if self.layer_index is None:
+            self.layer_index = check_expert_parallel_config(self, x)
+        set_current_layer(self.label)
+
+    def check_expert_output(self, y_ND):
+        if y_ND.dim() != 2 or y_ND.shape[-1] != self.d_model:
+            raise ValueError(f"{self.label}: the experts ({type(self.experts).__name__}) must return rows of width "
+                             f"d_model={self.d_model}, they returned shape {tuple(y_ND.shape)}")
 
     def forward(self, x):
         self.check_input(x)
-        if self.world_size > 1 and not self.checked_with_peers:
-            check_expert_parallel_config(self)
-            self.checked_with_peers = True
+        if self.world_size > 1:
+            self.check_with_peers(x)
         x_TD = x.reshape(-1, self.d_model)
         routing = self.gate.routing(x_TD)
         if self.gate_hook is not None:
@@ -118,6 +166,7 @@ class FMoE(nn.Module):
                                  self.shadow_policy)
         x_ND = kernels.permute(x_TD, plan, self.backend)
         y_ND = self.run_experts(x_ND, plan)
+        self.check_expert_output(y_ND)
         y_TD = kernels.unpermute(y_ND, plan, routing.weight_TK, self.backend)
         self.record(routing, plan)
         return y_TD.reshape(x.shape)

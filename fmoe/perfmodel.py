@@ -14,12 +14,13 @@ The smart schedule splits the exchange into `steps` chunks and pipelines the thr
 each pass (rows out, compute, rows back; forward, then backward with twice the compute): a
 pipeline of stages a, b, c over n chunks takes (a + b + c) / n + (n - 1) * max(a, b, c) / n.
 """
-import os
 import time
 from dataclasses import dataclass, replace
 from typing import List, Sequence
 
 import torch
+
+from fmoe.env import env_float
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,8 @@ class PerfModel:
     @classmethod
     def from_env(cls, d_model: int, d_hidden: int, bytes_per_element: int = 4) -> "PerfModel":
         """FastMoE's environment knobs: FMOE_FASTER_GLBPLC_GPUTP (FLOP/s), FMOE_FASTER_GLBPLC_NETBW (bytes/s)."""
-        return cls(d_model, d_hidden, flops=float(os.environ.get("FMOE_FASTER_GLBPLC_GPUTP", 11.5e12)),
-                   net_bandwidth=float(os.environ.get("FMOE_FASTER_GLBPLC_NETBW", 50e9 / 8)),
+        return cls(d_model, d_hidden, flops=env_float("FMOE_FASTER_GLBPLC_GPUTP", 11.5e12),
+                   net_bandwidth=env_float("FMOE_FASTER_GLBPLC_NETBW", 50e9 / 8),
                    bytes_per_element=bytes_per_element)
 
     def compute_time(self, rows) -> float:

@@ -243,3 +243,248 @@ def check_balanced_gate_bias_follows_global_load(rank, world):
     full.train()(x_all)
     ep.train()(x_all[rank * 10:(rank + 1) * 10])
     assert torch.equal(ep.gate.expert_bias_E, full.gate.expert_bias_E), (rank, ep.gate.expert_bias_E)
+
+
+# --- DistributedGroupedDataParallel: FastMoE's semantics and fmoe's scaling ---------------------
+
+class ReplicatedExpertsModel(nn.Module):
+    """FastMoE's data-parallel recipe: every rank holds every expert, tagged "dp"."""
+
+    def __init__(self, expert_dp_comm="dp", world_size=1, group=None, num_expert=4):
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.moe = fmoe.FMoETransformerMLP(num_expert=num_expert, d_model=D, d_hidden=H, top_k=2, world_size=world_size,
+                                           moe_group=group, expert_dp_comm=expert_dp_comm)
+        self.out = nn.Linear(D, 1)
+
+    def forward(self, x):
+        return self.out(self.moe(torch.relu(self.inp(x))))
+
+
+def gathered(t):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def check_dgdp_replicas_stay_equal(rank, world):
+    torch.manual_seed(10 + rank)                    # ranks start apart: need_sync must bring them together
+    model = fmoe.DistributedGroupedDataParallel(ReplicatedExpertsModel())
+    single = copy.deepcopy(model.module)
+    rows = 4 * world
+    data = batches(4, rows)
+    train_no_aux(model, data, model.allreduce_params, rank * 4, (rank + 1) * 4)
+    train_no_aux(single, data, lambda: None, 0, rows, per_rank_chunks=world)
+    for name, p in model.module.named_parameters():
+        parts = gathered(p.detach())
+        assert all(torch.equal(parts[0], q) for q in parts[1:]), f"rank replicas of {name} differ"
+        torch.testing.assert_close(p.detach(), dict(single.named_parameters())[name].detach(), atol=1e-6, rtol=1e-5,
+                                   msg=lambda m: f"{name} vs one process on the global batch: {m}")
+
+
+def grads_after(make_model, wrap, x, seed=3, **allreduce_kwargs):
+    """Gradients of one backward on this rank's batch, synced by `wrap(model).allreduce_params`."""
+    torch.manual_seed(seed)
+    model = make_model()
+    synced = wrap(model)
+    (synced(x) ** 2).mean().backward()
+    synced.allreduce_params(**allreduce_kwargs)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def check_dgdp_groups_and_keywords_agree(rank, world):
+    import warnings
+    x = torch.randn(6, D, generator=torch.Generator().manual_seed(rank))
+    DGDP = fmoe.DistributedGroupedDataParallel
+    # The replicated recipe: fmoe's groups= and FastMoE's keywords reduce every bucket alike.
+    by_groups = grads_after(ReplicatedExpertsModel, lambda m: DGDP(m, groups=make_groups(1)), x)
+    by_keywords = grads_after(ReplicatedExpertsModel, lambda m: DGDP(m, dp_group=None, gate_group=None,
+                                                                      world_group=None), x)
+    for name, g in by_groups.items():
+        assert torch.equal(g, by_keywords[name]), name
+    # Replicated experts tagged "none": fmoe's scaling averages them; FastMoE's leaves them (and warns).
+    none_tagged = lambda: ReplicatedExpertsModel(expert_dp_comm="none")  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        left_alone = grads_after(none_tagged, DGDP, x)
+    assert any("will not be synchronised" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    averaged = grads_after(none_tagged, lambda m: DGDP(m, groups=make_groups(1)), x)
+    for name, g in averaged.items():
+        if name.startswith("moe.experts"):
+            assert torch.equal(g, by_groups[name]), name
+            assert not torch.equal(left_alone[name], g), name
+    # Expert parallelism: FastMoE leaves the sharded experts' summed gradient alone, fmoe divides by the world.
+    groups = make_groups(world)
+    sharded = lambda: ReplicatedExpertsModel(expert_dp_comm="none", world_size=world, group=groups.moe_group,  # noqa: E731
+                                             num_expert=2)
+    fastmoe = grads_after(sharded, DGDP, x)
+    scaled = grads_after(sharded, lambda m: DGDP(m, groups=groups), x)
+    for name, g in scaled.items():
+        expected = fastmoe[name] / world if name.startswith("moe.experts") else fastmoe[name]
+        torch.testing.assert_close(g, expected, atol=0, rtol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def check_dgdp_options(rank, world):
+    """reduce_after, no_scale, fp32_allreduce and auto_allreduce against a hand-written reduction."""
+    DGDP = fmoe.DistributedGroupedDataParallel
+    x = torch.randn(6, D, generator=torch.Generator().manual_seed(rank))
+    raw = grads_after(ReplicatedExpertsModel, lambda m: DGDP(m, need_sync=False, dp_group=None), x, no_scale=True)
+    local = grads_after(ReplicatedExpertsModel, lambda m: _NoSync(m), x)
+    for name, g in raw.items():
+        summed = local[name].clone()
+        dist.all_reduce(summed)
+        assert torch.equal(g, summed), f"no_scale {name}"
+    after = grads_after(ReplicatedExpertsModel, lambda m: DGDP(m, need_sync=False), x, reduce_after=True)
+    for name, g in after.items():
+        torch.testing.assert_close(g, raw[name] / world, atol=0, rtol=1e-6)
+
+    def auto(m):
+        return DGDP(m, need_sync=False, auto_allreduce=True)
+    torch.manual_seed(3)
+    model = ReplicatedExpertsModel()
+    wrapped = auto(model)
+    (wrapped(x) ** 2).mean().backward()             # reduced by the hook at the end of the backward
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, raw[name] / world, atol=0, rtol=1e-6, msg=lambda m: f"auto {name}: {m}")
+
+    half = lambda: ReplicatedExpertsModel().to(torch.bfloat16)  # noqa: E731
+    xb = x.to(torch.bfloat16)
+    fp32 = grads_after(half, lambda m: DGDP(m, need_sync=False), xb, fp32_allreduce=True)
+    local = grads_after(half, lambda m: _NoSync(m), xb)
+    for name, g in fp32.items():
+        wide = local[name].float() / world
+        dist.all_reduce(wide)
+        assert g.dtype == local[name].dtype and torch.equal(g, wide.to(g.dtype)), f"fp32_allreduce {name}"
+    assert any(g.dtype == torch.bfloat16 for g in fp32.values())
+
+
+class _NoSync(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+    def allreduce_params(self):
+        pass
+
+
+class TaggedModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear1, self.linear2, self.linear3 = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def tag(self):
+        for layer, tag in ((self.linear1, "mp"), (self.linear2, "dp"), (self.linear3, "world")):
+            for p in layer.parameters():
+                p.dp_comm = tag
+
+    def forward(self, x):
+        return self.linear3(torch.relu(self.linear2(torch.relu(self.linear1(x)))))
+
+
+def check_dgdp_local_ddp(rank, world, mp_size):
+    """Each tag reduced over its own group and averaged by its size (FastMoE's test_fmoe_local_ddp)."""
+    mp_groups = [dist.new_group([j * mp_size + i for i in range(mp_size)]) for j in range(world // mp_size)]
+    dp_groups = [dist.new_group([i * mp_size + j for i in range(world // mp_size)]) for j in range(mp_size)]
+    mp_group, dp_group = mp_groups[rank // mp_size], dp_groups[rank % mp_size]
+    torch.manual_seed(42 + rank)
+    wrapped = fmoe.DistributedGroupedDataParallel(TaggedModule(), mp_group=mp_group, dp_group=dp_group,
+                                                  world_group=None)
+    reference = copy.deepcopy(wrapped.module)
+    # need_sync broadcast every parameter (untagged: "dp") from the dp group's first rank.
+    for p in reference.parameters():
+        parts = [torch.empty_like(p) for _ in range(dist.get_world_size(dp_group))]
+        dist.all_gather(parts, p.detach(), group=dp_group)
+        assert all(torch.equal(parts[0], q) for q in parts), "need_sync left the dp replicas apart"
+    wrapped.module.tag()
+    x = torch.randn(4, D)
+    wrapped(x).mean().backward()
+    reference(x).mean().backward()
+    wrapped.allreduce_params(reduce_after=False, fp32_allreduce=False)
+    for layer, group in (("linear1", mp_group), ("linear2", dp_group), ("linear3", None)):
+        for kind in ("weight", "bias"):
+            ref = getattr(getattr(reference, layer), kind).grad.clone()
+            dist.all_reduce(ref, group=group)
+            ref /= dist.get_world_size(group)
+            got = getattr(getattr(wrapped.module, layer), kind).grad
+            torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6, msg=lambda m: f"{layer}.{kind}: {m}")
+
+
+# --- Faults: stopped ranks, disagreeing ranks, ranks without tokens -----------------------------
+
+def stop_rank_mid_training(rank, world, phase, result_file):
+    """Rank 1 stops itself (SIGSTOP) at `phase`; rank 0 must fail within the collective timeout
+    with a message naming the layer and the collective. Rank 0 writes what it saw to result_file."""
+    import os
+    import signal
+    os.environ["FMOE_COLLECTIVE_TIMEOUT"] = "3"
+    torch.manual_seed(0)
+    model = ReplicatedExpertsModel(expert_dp_comm="none", world_size=world, num_expert=2)
+    synced = fmoe.DistributedGroupedDataParallel(model)
+    x = torch.randn(6, D)
+    synced(x).sum().backward()                      # one good step: the check and every collective pass
+    synced.allreduce_params()
+    if rank == 1 and phase == "forward":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        loss = synced(x).sum()
+        if rank == 1 and phase == "backward":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        loss.backward()
+        if rank == 1 and phase == "allreduce":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        synced.allreduce_params()
+    except RuntimeError as err:
+        with open(result_file, "w") as f:
+            f.write(str(err))
+        return
+    raise AssertionError(f"rank {rank} went through a step with a stopped peer")
+
+
+def check_disagreeing_ranks_raise(rank, world):
+    """Ranks whose layers differ in a setting all raise the same clear error, in the check."""
+    cases = [
+        ("gate", dict(gate="naive" if rank == 0 else "balanced")),
+        ("gate options", dict(gate="gshard", gate_kwargs={"capacity": (1.2, 2.4) if rank == 0 else None})),
+        ("gate tensors", dict(gate_bias=rank == 0)),
+        ("top_k", dict(top_k=1 + rank)),
+        ("d_model", dict(d_model=D + 4 * rank)),
+        ("expert tensors", dict(d_hidden=H + 4 * rank)),
+        ("expert tensors", dict(dtype=torch.float32 if rank == 0 else torch.bfloat16)),
+    ]
+    for field, kw in cases:
+        dtype = kw.pop("dtype", torch.float32)
+        kw = {"d_model": D, "d_hidden": H, "top_k": 2, **kw}
+        layer = fmoe.FMoETransformerMLP(num_expert=2, world_size=world, **kw).to(dtype)
+        try:
+            layer(torch.randn(4, kw["d_model"], dtype=dtype))
+        except ValueError as err:
+            message = str(err)
+            assert "disagree" in message and field in message and "rank 0" in message and "rank 1" in message, \
+                (field, message)
+        else:
+            raise AssertionError(f"ranks differing in {field} ({kw}) did not raise")
+
+
+def check_zero_tokens_every_gate(rank, world, eval_gates, training_gates):
+    """One rank without tokens, the other with some: every collective is reached by both, in
+    evaluation (outputs equal one process) and in training (forward and backward complete)."""
+    e = 2
+    for gate, training in [(g, False) for g in eval_gates] + [(g, True) for g in training_gates]:
+        torch.manual_seed(0)
+        kw = {"capacity": None} if gate in ("gshard", "switch") else {}
+        top_k = 1 if gate == "switch" else 2
+        layer = fmoe.FMoETransformerMLP(num_expert=e, d_model=D, d_hidden=H, top_k=top_k,
+                                        world_size=world, gate=gate, gate_kwargs=kw).train(training)
+        for tokens in ([0, 6], [6, 0], [0, 0]):
+            x = torch.randn(tokens[rank], D, requires_grad=True)
+            y = layer(x)
+            (y.sum() + (layer.aux_loss if layer.aux_loss is not None else 0)).backward()
+            assert y.shape == x.shape and x.grad.shape == x.shape, (gate, tokens)
+        if not training:
+            full, ep = build_pair(gate, top_k, e, world, rank)
+            x_all = torch.randn(5, D, generator=torch.Generator().manual_seed(1))
+            lo, hi = (0, 0) if rank == 0 else (0, 5)
+            torch.testing.assert_close(ep(x_all[lo:hi]), full(x_all)[lo:hi], atol=1e-5, rtol=1e-5)

@@ -1,5 +1,8 @@
-"""Expert parallelism: exchange, process groups, gradient sync, checks and sharded checkpoints.
+"""Expert parallelism: exchange, process groups, gradient sync, checks, bounded waits and sharded
+checkpoints, one module a job (`fmoe.distributed.groups`, `.ddp`, `.checkpoint`, ...).
 
-The submodules are imported on demand (`fmoe.distributed.groups`, `.ddp`, `.checkpoint`) except
-the exchange, which the core layer uses.
+`DistributedGroupedDataParallel` is here too, where FastMoE users import it from.
 """
+from fmoe.distributed.ddp import DistributedGroupedDataParallel
+
+__all__ = ["DistributedGroupedDataParallel"]

@@ -2,13 +2,16 @@
 
 Rows leave a rank sorted by global expert, so by destination rank. They arrive sorted by source
 rank, then by local expert; `recv_order_R` regroups them expert-major for the grouped GEMM and
-its inverse puts them back before the return trip.
+its inverse puts them back before the return trip. Every all-to-all is waited on with the
+collective timeout and names its layer when it gives up.
 """
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+
+from fmoe.distributed.timeout import current_layer, wait
 
 
 @dataclass
@@ -19,13 +22,14 @@ class ExchangePlan:
     recv_counts_We: torch.Tensor    # rows from source rank w for local expert j
     recv_order_R: torch.Tensor      # expert-major position -> position in the received buffer
     group: Optional[dist.ProcessGroup]
+    layer: str = "an fmoe layer"    # who the exchange belongs to, for timeout messages
 
 
 def exchange_counts(counts_E: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
     """Everyone tells everyone how many rows it sends to each expert: returns recv_counts_We."""
     send = counts_E.reshape(world_size, -1).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    wait(dist.all_to_all_single(recv, send, group=group, async_op=True), f"{current_layer()}: counts all-to-all")
     return recv
 
 
@@ -50,6 +54,7 @@ def build_exchange_plan(counts_E: torch.Tensor, world_size: int, group=None) -> 
         recv_counts_We=recv_counts_We,
         recv_order_R=expert_major_order(recv_counts_We),
         group=group,
+        layer=current_layer(),
     )
 
 
@@ -57,16 +62,17 @@ class AllToAll(torch.autograd.Function):
     """all_to_all_single with uneven splits; the backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group):
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
+    def forward(ctx, x, send_splits, recv_splits, group, what):
+        ctx.splits, ctx.group, ctx.what = (send_splits, recv_splits), group, what
         out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        wait(dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True), what)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
-        return AllToAll.apply(grad.contiguous(), recv_splits, send_splits, ctx.group), None, None, None
+        back = AllToAll.apply(grad.contiguous(), recv_splits, send_splits, ctx.group, f"{ctx.what} (backward)")
+        return back, None, None, None, None
 
 
 class Reorder(torch.autograd.Function):
@@ -93,7 +99,7 @@ def dispatch(x_ND: torch.Tensor, plan) -> torch.Tensor:
     plan = plan.exchange
     if plan is None:
         return x_ND
-    x_RD = AllToAll.apply(x_ND, plan.send_splits_W, plan.recv_splits_W, plan.group)
+    x_RD = AllToAll.apply(x_ND, plan.send_splits_W, plan.recv_splits_W, plan.group, f"{plan.layer}: dispatch all-to-all")
     return Reorder.apply(x_RD, plan.recv_order_R)
 
 
@@ -105,4 +111,4 @@ def combine(y_RD: torch.Tensor, plan) -> torch.Tensor:
     inverse = torch.empty_like(plan.recv_order_R)
     inverse[plan.recv_order_R] = torch.arange(plan.recv_order_R.numel(), device=inverse.device)
     y_RD = Reorder.apply(y_RD, inverse)
-    return AllToAll.apply(y_RD, plan.recv_splits_W, plan.send_splits_W, plan.group)
+    return AllToAll.apply(y_RD, plan.recv_splits_W, plan.send_splits_W, plan.group, f"{plan.layer}: combine all-to-all")

@@ -5,23 +5,24 @@ come from rank - o. While the rows of step s+1 travel (asynchronous point-to-poi
 compute the rows of step s, whose outputs then travel back while step s+1 computes. The backward
 runs the same pipeline on the gradients. Outputs and gradients equal the plain exchange.
 """
-import os
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 from fmoe.distributed.exchange import ExchangePlan, expert_major_order
+from fmoe.distributed.timeout import wait
+from fmoe.env import env_flag, env_int
 
 DISPATCH, COMBINE, GRAD_OUT, GRAD_IN = 0, 1, 2, 3      # message tags, one per direction of travel
 
 
 def schedule_enabled_by_env() -> bool:
-    return os.environ.get("FMOE_FASTER_SCHEDULE_ENABLE", "0").lower() in ("1", "true", "on", "yes")
+    return env_flag("FMOE_FASTER_SCHEDULE_ENABLE")
 
 
 def group_size_from_env() -> int:
-    return int(os.environ.get("FMOE_FASTER_GROUP_SIZE", "4"))
+    return env_int("FMOE_FASTER_GROUP_SIZE", 4)
 
 
 def _offsets(split_sizes: List[int]) -> List[int]:
@@ -84,7 +85,7 @@ class _Ring:
 
 def _wait(works):
     for w in works:
-        w.wait()
+        wait(w, "the smart schedule's point-to-point exchange")
 
 
 class ScheduledExperts(torch.autograd.Function):

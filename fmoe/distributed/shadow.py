@@ -5,18 +5,18 @@ The owner rank of an expert is its server. When the policy judges experts hot, e
 and in the backward *pushes* the gradients back (a reduction to the owner), whose optimizer
 then applies them as if the rows had travelled. Outputs and gradients equal the unshadowed layer.
 """
-import os
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
+from fmoe.env import env_flag
 from fmoe.perfmodel import PerfModel
 
 
 def shadow_enabled_by_env() -> bool:
-    return os.environ.get("FMOE_FASTER_SHADOW_ENABLE", "0").lower() in ("1", "true", "on", "yes")
+    return env_flag("FMOE_FASTER_SHADOW_ENABLE")
 
 
 @dataclass

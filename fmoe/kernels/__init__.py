@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from fmoe.env import env_choice
 from fmoe.kernels import torch_ops
 from fmoe.routing import RoutingPlan
 
@@ -27,11 +28,16 @@ def triton_available() -> bool:
     return triton_import_error() is None
 
 
+def check_backend(backend: Optional[str]) -> Optional[str]:
+    """The backend asked for (the argument, else FMOE_BACKEND), or None to choose by device."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    return backend or env_choice("FMOE_BACKEND", BACKENDS)
+
+
 def _choose(is_cuda: bool, backend: Optional[str]) -> str:
-    choice = backend or os.environ.get("FMOE_BACKEND") or None
+    choice = check_backend(backend)
     if choice is not None:
-        if choice not in BACKENDS:
-            raise ValueError(f"backend (or FMOE_BACKEND) must be one of {BACKENDS}, got {choice!r}")
         if choice == "triton" and not triton_available():
             raise ValueError("backend='triton' was asked for but fmoe.kernels.triton_ops cannot be imported")
         return choice
