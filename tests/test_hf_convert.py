@@ -167,3 +167,34 @@ def test_router_options_pass_through():
     model = fmoe.hf.convert(tiny("deepseek_v3"), selection_bias="updated")
     (_, block), = fmoe.hf.converted_blocks(model)
     assert block.moe.gate.selection_bias == "updated"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_layouts_read_and_write_back(family):
+    """fmoe's stacked experts read from the family's tensors compute what its experts compute, and
+    write back to exactly its tensors."""
+    from fmoe.experts import GroupedExperts
+    from fmoe.hf.families import BY_BLOCK
+    from fmoe.kernels import permute, unpermute
+    from fmoe.routing import RoutingPlan
+    _, block = find_moe_blocks(tiny(family))[-1]
+    layout = BY_BLOCK[type(block).__name__]
+    w = layout.read(block)
+    E, D, F = w.shape
+    experts = GroupedExperts(E, D, F, w.activation, bias=w.b1_EF is not None)
+    with torch.no_grad():
+        experts.w1_eDF.copy_(w.w1_EDF)
+        experts.w2_eFD.copy_(w.w2_EFD)
+        if w.b1_EF is not None:
+            experts.b1_eF.copy_(w.b1_EF)
+            experts.b2_eD.copy_(w.b2_ED)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(10, D, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(10)])
+    weight = torch.rand(10, 2, generator=g)
+    plan = RoutingPlan.build(idx, E)
+    got = unpermute(experts(permute(x, plan), plan.counts_E), plan, weight)
+    torch.testing.assert_close(got, block.experts(x, idx, weight).reshape(10, D), **TOL)
+    state = block.state_dict()
+    for key, tensor in layout.write(w).items():
+        assert torch.equal(tensor, state[key]), key
