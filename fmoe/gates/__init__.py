@@ -5,6 +5,7 @@ from fmoe.gates.faster import FasterGate
 from fmoe.gates.gshard import GShardGate
 from fmoe.gates.naive import NaiveGate
 from fmoe.gates.noisy import NoisyGate
+from fmoe.gates.router import PRESETS, RouterGate
 from fmoe.gates.switch import SwitchGate
 
 GATES = {
@@ -14,6 +15,7 @@ GATES = {
     "switch": SwitchGate,
     "balanced": BalancedGate,
     "faster": FasterGate,
+    "router": RouterGate,
 }
 
 
@@ -30,4 +32,4 @@ def make_gate(gate, d_model: int, num_expert: int, world_size: int, top_k: int, 
 
 
 __all__ = ["BaseGate", "Routing", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate",
-           "FasterGate", "GATES", "make_gate"]
+           "FasterGate", "RouterGate", "PRESETS", "GATES", "make_gate"]
