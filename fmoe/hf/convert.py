@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fmoe.gates.router import RouterGate
 from fmoe.hf.families import BY_BLOCK, BY_NAME, ExpertWeights, Family, find_moe_blocks
 from fmoe.layer import FMoE
 
@@ -119,7 +120,6 @@ def build_block(plan: BlockPlan, ep_size: int, moe_group, options: dict) -> HFMo
     e = E // ep_size
     rank = dist.get_rank(moe_group) if ep_size > 1 else 0
     family, block, w = plan.family, plan.block, plan.experts
-    from fmoe.gates.router import RouterGate     # TODO(hf): top-level import once branch gates is merged
     try:
         gate = RouterGate.from_preset(family.router_preset, D, e, ep_size, **plan.gate_options)
     except (TypeError, ValueError) as err:

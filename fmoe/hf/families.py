@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fmoe.experts import GLU, ClampedSwiGLU
+from fmoe.layer import FMoE
 
 
 @dataclass
@@ -216,13 +217,15 @@ def looks_like_moe_block(module: nn.Module) -> bool:
 
 
 def find_moe_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """(name, module) of every sparse MoE block, outermost first, not looking inside one."""
+    """(name, module) of every transformers sparse MoE block, not looking inside one nor inside fmoe layers."""
     found = []
     skip = None
     for name, module in model.named_modules():
         if skip is not None and name.startswith(skip):
             continue
-        if looks_like_moe_block(module):
+        if isinstance(module, FMoE):
+            skip = name + "."
+        elif looks_like_moe_block(module):
             found.append((name, module))
             skip = name + "."
     return found
