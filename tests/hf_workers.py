@@ -9,7 +9,13 @@ from tests.hf_models import tiny, tokens
 from tests.test_hf_convert import TOL, hf_named_grads
 
 
-def check_ep_matches_one_process(rank, world_size, family, folder):
+def check_ep_matches_one_process(rank, world_size, families, folder):
+    """check_family_ep for each family, in one pair of processes (spawning costs more than checking)."""
+    for family in families:
+        check_family_ep(rank, world_size, family, f"{folder}/{family}")
+
+
+def check_family_ep(rank, world_size, family, folder):
     """Both ranks feed the same batch: logits equal transformers' own; each expert's gradient is the
     sum over the two ranks' tokens (2x one process), every other gradient one process's."""
     model = tiny(family)
