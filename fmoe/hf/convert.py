@@ -9,6 +9,10 @@ Each block is replaced by an `HFMoEBlock`: an `FMoE` with a `RouterGate` set fro
 preset and config, the experts (sliced to this rank's under expert parallelism), the shared
 experts, and `router`, a weightless instance of the family's router class that passes the
 router logits through, so transformers' output capturing (`output_router_logits`) finds them.
+gpt-oss's block returns (hidden_states, router_scores): the converted one returns
+(hidden_states, None), which its decoder layer discards. Input jitter in training (Mixtral,
+PhiMoE, DBRX) is applied once, to a copy: transformers multiplies the hidden states in place
+(PhiMoE twice); it is random either way.
 """
 from dataclasses import dataclass
 from typing import Optional
