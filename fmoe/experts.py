@@ -1,6 +1,6 @@
 """Experts: stacked per-expert weights run as grouped GEMMs, or one user module per expert."""
 import math
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -11,8 +11,74 @@ from fmoe import kernels
 ACTIVATIONS = ("gelu", "relu", "swiglu")
 
 
+class GatedActivation(nn.Module):
+    """A gated activation: the first projection yields a gate and an up part (width 2F) and
+    `fn(gate, up)` maps them to width F. The columns hold the gate half first, or, with
+    `interleaved`, alternate gate, up, gate, up (gpt-oss's layout)."""
+
+    def __init__(self, fn: Optional[Callable] = None, interleaved: bool = False):
+        super().__init__()
+        if fn is not None and not callable(fn):
+            raise ValueError(f"GatedActivation: fn must be a callable fn(gate, up), got {fn!r}")
+        self.fn = fn
+        self.interleaved = bool(interleaved)
+
+    def split(self, h_N2F):
+        if self.interleaved:
+            return h_N2F[..., 0::2], h_N2F[..., 1::2]
+        return h_N2F.chunk(2, dim=-1)
+
+    def combine(self, gate, up):
+        if self.fn is None:
+            raise NotImplementedError("GatedActivation needs fn, or a subclass defining combine(gate, up)")
+        return self.fn(gate, up)
+
+    def forward(self, h_N2F):
+        return self.combine(*self.split(h_N2F))
+
+
+class GLU(GatedActivation):
+    """act(gate) * up: SwiGLU with SiLU, GeGLU with GELU, or any F -> F activation."""
+
+    def __init__(self, act: Callable, interleaved: bool = False):
+        if not callable(act):
+            raise ValueError(f"GLU: act must be a callable activation, got {act!r}")
+        super().__init__(interleaved=interleaved)
+        self.act = act
+
+    def combine(self, gate, up):
+        return self.act(gate) * up
+
+
+class ClampedSwiGLU(GatedActivation):
+    """gpt-oss's activation: gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate); gate and up interleaved by default."""
+
+    def __init__(self, alpha: float = 1.702, limit: float = 7.0, interleaved: bool = True):
+        if not limit > 0:
+            raise ValueError(f"ClampedSwiGLU: limit must be > 0, got {limit!r}")
+        super().__init__(interleaved=interleaved)
+        self.alpha, self.limit = float(alpha), float(limit)
+
+    def combine(self, gate, up):
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def extra_repr(self):
+        return f"alpha={self.alpha}, limit={self.limit}, interleaved={self.interleaved}"
+
+
+def is_gated(activation) -> bool:
+    """Whether the experts' first projection is twice as wide (gate and up)."""
+    return activation == "swiglu" or isinstance(activation, GatedActivation)
+
+
 def resolve_activation(activation) -> Union[str, Callable]:
-    """A name from ACTIVATIONS, or FastMoE's style: an activation module such as nn.GELU()."""
+    """A name from ACTIVATIONS, a GatedActivation (its input is gate and up, width 2F), or
+    FastMoE's style: an activation module such as nn.GELU() or any callable mapping F to F."""
+    if isinstance(activation, GatedActivation):
+        return activation
     if isinstance(activation, str):
         if activation.lower() not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS} or a callable, got {activation!r}")
@@ -59,8 +125,9 @@ class FMoELinear(nn.Module):
 class GroupedExperts(nn.Module):
     """`num_expert` two-layer MLPs with stacked weights: w1_eDF, w2_eFD (+ b1_eF, b2_eD).
 
-    For swiglu, `w1_eDF` holds the gate and the up projection side by side ([e, D, 2F]: gate
-    first), so both run in one grouped GEMM.
+    For a gated activation ("swiglu" or a GatedActivation), `w1_eDF` holds the gate and the up
+    projection side by side ([e, D, 2F]: gate first, or interleaved as the activation says), so
+    both run in one grouped GEMM.
     """
 
     def __init__(self, num_expert: int, d_model: int, d_hidden: int, activation="gelu", bias: bool = True,
@@ -72,7 +139,7 @@ class GroupedExperts(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.num_expert, self.d_model, self.d_hidden = num_expert, d_model, d_hidden
         self.activation = resolve_activation(activation)
-        width1 = 2 * d_hidden if self.activation == "swiglu" else d_hidden
+        width1 = 2 * d_hidden if is_gated(self.activation) else d_hidden
         self.w1_eDF = nn.Parameter(torch.empty(num_expert, d_model, width1))
         self.w2_eFD = nn.Parameter(torch.empty(num_expert, d_hidden, d_model))
         self.b1_eF = nn.Parameter(torch.empty(num_expert, width1)) if bias else None

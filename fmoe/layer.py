@@ -63,12 +63,18 @@ class FMoE(nn.Module):
     ranks (FMOE_FASTER_GROUP_SIZE). Input of any shape
     [..., d_model]; output the same shape. After every forward the layer holds `aux_loss`,
     `num_dropped` and `last_counts_E` (rows each expert received).
+
+    `shared_expert` adds experts every token passes through, computed on every rank beside the
+    routed ones (data-parallel parameters, not expert ones): a module, a list of modules, or an
+    int (the hidden width of one MLP with the routed experts' activation). With
+    `shared_expert_gate=True` their summed output is scaled by sigmoid(x @ w) per token
+    (Qwen2-MoE's `shared_expert_gate`, a [1, d_model] linear).
     """
 
     def __init__(self, num_expert=32, d_model=1024, world_size=1, moe_group=None, top_k=2, gate=NaiveGate,
                  expert=None, gate_hook=None, gate_bias=True, d_hidden=None, activation="gelu",
                  expert_bias=True, gate_kwargs=None, backend: Optional[str] = None, shadow=None,
-                 schedule=None, schedule_group_size=None):
+                 schedule=None, schedule_group_size=None, shared_expert=None, shared_expert_gate=False):
         super().__init__()
         positive_int("d_model", d_model)
         positive_int("num_expert", num_expert, " (experts per rank)")
@@ -100,6 +106,10 @@ class FMoE(nn.Module):
         else:
             raise ValueError("FMoE needs its experts: pass expert= (a module class) or d_hidden= (stacked MLP experts)")
         mark_expert_parameters(self.experts)
+        self.shared_experts = make_shared_experts(shared_expert, d_model, activation, expert_bias)
+        if shared_expert_gate and self.shared_experts is None:
+            raise ValueError("shared_expert_gate=True needs shared_expert= (a module, a list of them or a d_hidden)")
+        self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if shared_expert_gate else None
         self.schedule = schedule_enabled_by_env() if schedule is None else bool(schedule)
         self.schedule_group_size = positive_int("schedule_group_size",
                                                 schedule_group_size if schedule_group_size is not None
@@ -168,8 +178,17 @@ class FMoE(nn.Module):
         y_ND = self.run_experts(x_ND, plan)
         self.check_expert_output(y_ND)
         y_TD = kernels.unpermute(y_ND, plan, routing.weight_TK, self.backend)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_forward(x_TD)
         self.record(routing, plan)
         return y_TD.reshape(x.shape)
+
+    def shared_forward(self, x_TD):
+        """The shared experts' term: their summed output, gated per token when there is a gate."""
+        y_TD = sum(expert(x_TD) for expert in self.shared_experts)
+        if self.shared_expert_gate is not None:
+            y_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * y_TD
+        return y_TD
 
     def run_experts(self, x_ND, plan: RoutingPlan):
         """Rows in expert order -> expert outputs in the same order, wherever the experts live."""
@@ -196,6 +215,34 @@ class FMoE(nn.Module):
     def num_dropped(self) -> int:
         """Slots dropped by the capacity limit in the last forward."""
         return 0 if self.last_num_dropped is None else int(self.last_num_dropped)
+
+
+def make_shared_experts(shared_expert, d_model: int, activation, bias: bool) -> Optional[nn.ModuleList]:
+    """FMoE's `shared_expert` argument as a ModuleList (None when there are none)."""
+    if shared_expert is None:
+        return None
+    if isinstance(shared_expert, nn.Module):
+        shared_expert = [shared_expert]
+    elif isinstance(shared_expert, int) and not isinstance(shared_expert, bool):
+        if shared_expert < 1:
+            raise ValueError(f"shared_expert as a d_hidden must be a positive int, got {shared_expert!r}")
+        shared_expert = [SharedExpertMLP(d_model, shared_expert, activation, bias)]
+    if not isinstance(shared_expert, (list, tuple, nn.ModuleList)) or not shared_expert or \
+            not all(isinstance(m, nn.Module) for m in shared_expert):
+        raise ValueError("shared_expert must be a module, a non-empty list of modules or a d_hidden int, "
+                         f"got {shared_expert!r}")
+    return nn.ModuleList(shared_expert)
+
+
+class SharedExpertMLP(nn.Module):
+    """One dense MLP, the routed experts' MLP without the routing (one expert of a GroupedExperts)."""
+
+    def __init__(self, d_model: int, d_hidden: int, activation="gelu", bias: bool = True):
+        super().__init__()
+        self.mlp = GroupedExperts(1, d_model, d_hidden, activation, bias=bias)
+
+    def forward(self, x_TD):
+        return self.mlp.expert_forward(0, x_TD)
 
 
 def mark_expert_parameters(module: nn.Module):

@@ -1,4 +1,4 @@
-"""MoE-ify HuggingFace Transformers causal LMs with fmoe layers.
+"""Upcycle dense HuggingFace Transformers causal LMs into MoE models with fmoe layers.
 
     model = AutoModelForCausalLM.from_pretrained(...)
     fmoe.hf.moefy(model, num_experts=8, top_k=2)       # every `*.mlp` becomes an fmoe layer
@@ -26,10 +26,9 @@ try:
 except ImportError as err:     # pragma: no cover - depends on the install
     raise ImportError("fmoe.hf needs HuggingFace Transformers: pip install 'fmoe[hf]'") from err
 
+from fmoe.hf.families import find_moe_blocks
 from fmoe.layer import collect_aux_loss
 from fmoe.transformer import FMoETransformerMLP
-
-__all__ = ["MoEMLP", "moefy", "from_pretrained", "add_aux_loss"]
 
 CONFIG_KEY = "fmoe"     # the model config's attribute (and config.json entry) holding moefy's settings
 SAVED_SETTINGS = ("num_experts", "top_k", "gate", "gate_kwargs", "aux_loss_coef")
@@ -136,6 +135,12 @@ def moefy(model: nn.Module, num_experts: int, top_k: int = 2, gate="naive", upcy
     mlps = [(name, m) for name, m in model.named_modules() if name.rpartition(".")[2] == "mlp"]
     if not mlps:
         raise ValueError(f"moefy found no `*.mlp` module in {type(model).__name__}")
+    families = find_moe_blocks(model)
+    if families:
+        raise ValueError(f"moefy: {type(model).__name__} is already a sparse MoE model ({families[0][0]} is a "
+                         f"{type(families[0][1]).__name__}); convert it with fmoe.hf.convert(model) instead")
+    for name, mlp in mlps:      # every MLP checked before any is replaced: the model is changed whole or not at all
+        _dense_mlp(name, mlp)
     gate_kwargs = dict(gate_kwargs or {})
     for name, mlp in mlps:
         moe = _moe_from_mlp(name, mlp, num_experts // world_size, top_k, gate, gate_kwargs, upcycle, fmoe_kwargs)

@@ -1,0 +1,182 @@
+"""`convert`: every sparse MoE block of a transformers model becomes an fmoe layer with the same weights.
+
+    model = AutoModelForCausalLM.from_pretrained(...)      # Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss, ...
+    fmoe.hf.convert(model, ep_size=2)                      # each of 2 ranks keeps half of every block's experts
+    out = model(ids, labels=ids, output_router_logits=True)   # HF's aux loss still works
+    fmoe.hf.export(model, path)                            # back to the family's own checkpoint layout
+
+Each block is replaced by an `HFMoEBlock`: an `FMoE` with a `RouterGate` set from the family's
+preset and config, the experts (sliced to this rank's under expert parallelism), the shared
+experts, and `router`, a weightless instance of the family's router class that passes the
+router logits through, so transformers' output capturing (`output_router_logits`) finds them.
+gpt-oss's block returns (hidden_states, router_scores): the converted one returns
+(hidden_states, None), which its decoder layer discards. Input jitter in training (Mixtral,
+PhiMoE, DBRX) is applied once, to a copy: transformers multiplies the hidden states in place
+(PhiMoE twice); it is random either way.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fmoe.gates.router import RouterGate
+from fmoe.hf.families import BY_BLOCK, BY_NAME, ExpertWeights, Family, find_moe_blocks
+from fmoe.layer import FMoE
+
+FMOE_OPTIONS = ("backend", "shadow", "schedule", "schedule_group_size")   # go to FMoE; other options to the gate
+
+
+class LogitsRecorder(nn.Module):
+    """Identity on the router logits; subclassed per family with the family's router class, whose
+    instances transformers hooks to record `router_logits`."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+
+    def forward(self, logits_TE):
+        return logits_TE
+
+    def extra_repr(self):
+        return ""
+
+
+_RECORDERS = {}
+
+
+def recorder_for(router: nn.Module) -> LogitsRecorder:
+    """A LogitsRecorder that is an instance of `router`'s class and carries its forward hooks."""
+    cls = type(router)
+    if cls not in _RECORDERS:
+        _RECORDERS[cls] = type(f"FMoE{cls.__name__}Logits", (LogitsRecorder, cls), {})
+    recorder = _RECORDERS[cls]()
+    # transformers installs its capturing hooks once per model: ones already on the router move over.
+    for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        getattr(recorder, hooks).update(getattr(router, hooks))
+    return recorder
+
+
+class HFMoEBlock(nn.Module):
+    """A transformers sparse MoE block run by fmoe (see the module docstring)."""
+
+    def __init__(self, family: str, moe: FMoE, router: LogitsRecorder, input_jitter: float = 0.0):
+        super().__init__()
+        self.family = family
+        self.moe = moe
+        self.router = router
+        self.input_jitter = float(input_jitter or 0.0)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.training and self.input_jitter > 0:
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.input_jitter, 1.0 + self.input_jitter)
+            hidden_states = hidden_states * noise
+        y = self.moe(hidden_states)
+        self.router(self.moe.gate.last_logits_TE)
+        return (y, None) if BY_NAME[self.family].returns_router_scores else y
+
+    def extra_repr(self):
+        return f"family={self.family!r}"
+
+
+@dataclass
+class BlockPlan:
+    """What converting one block needs, all checked before any block changes."""
+
+    name: str
+    block: nn.Module
+    family: Family
+    config: object
+    experts: ExpertWeights
+    router_state: dict          # RouterGate-relative name -> tensor
+    gate_options: dict
+
+
+def plan_block(name: str, block: nn.Module, model_config, ep_size: int, options: dict) -> BlockPlan:
+    cls = type(block).__name__
+    family = BY_BLOCK.get(cls)
+    try:
+        if family is None:
+            raise ValueError(f"unknown MoE family: fmoe converts {sorted(BY_BLOCK)}")
+        config = family.config_of(model_config)
+        experts = family.read(block)
+        E, D, F = experts.shape
+        state = block.state_dict(keep_vars=True)
+        router_state = {}
+        for hf_key, key in family.router_keys.items():
+            if hf_key not in state:
+                raise ValueError(f"router tensor {hf_key} is missing")
+            router_state[key] = state[hf_key]
+        weight = router_state["gate.proj.weight"]
+        if tuple(weight.shape) != (E, D):
+            raise ValueError(f"router weight has shape {tuple(weight.shape)}, expected [experts, d_model] = {(E, D)}")
+        if not isinstance(ep_size, int) or ep_size < 1 or E % ep_size:
+            raise ValueError(f"ep_size={ep_size!r} must be a positive divisor of the block's {E} experts")
+        gate_options = dict(family.gate_options(block, config), gate_bias="gate.proj.bias" in router_state)
+        gate_options.update({k: v for k, v in options.items() if k not in FMOE_OPTIONS})
+    except ValueError as err:
+        raise ValueError(f"convert: cannot take {name} ({cls}): {err}; the model is unchanged") from err
+    return BlockPlan(name, block, family, config, experts, router_state, gate_options)
+
+
+def build_block(plan: BlockPlan, ep_size: int, moe_group, options: dict) -> HFMoEBlock:
+    E, D, F = plan.experts.shape
+    e = E // ep_size
+    rank = dist.get_rank(moe_group) if ep_size > 1 else 0
+    family, block, w = plan.family, plan.block, plan.experts
+    try:
+        gate = RouterGate.from_preset(family.router_preset, D, e, ep_size, **plan.gate_options)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"convert: {plan.name}: the router options {plan.gate_options} do not fit: {err}") from err
+    shared = getattr(block, family.shared) if family.shared else None
+    moe = FMoE(num_expert=e, d_model=D, world_size=ep_size, moe_group=moe_group, gate=gate, d_hidden=F,
+               activation=w.activation, expert_bias=w.b1_EF is not None, shared_expert=shared,
+               shared_expert_gate=family.shared_gate is not None,
+               **{k: v for k, v in options.items() if k in FMOE_OPTIONS})
+    moe.to(device=w.w1_EDF.device, dtype=w.w1_EDF.dtype)
+    mine = slice(rank * e, (rank + 1) * e)
+    with torch.no_grad():
+        moe.experts.w1_eDF.copy_(w.w1_EDF[mine])
+        moe.experts.w2_eFD.copy_(w.w2_EFD[mine])
+        if w.b1_EF is not None:
+            moe.experts.b1_eF.copy_(w.b1_EF[mine])
+            moe.experts.b2_eD.copy_(w.b2_ED[mine])
+        gate_state = gate.state_dict(keep_vars=True)
+        for key, tensor in plan.router_state.items():
+            gate_state[key].copy_(tensor)
+        if family.shared_gate:
+            moe.shared_expert_gate.weight.copy_(getattr(block, family.shared_gate).weight)
+    jitter = family.input_jitter(plan.config) if family.input_jitter else 0.0
+    return HFMoEBlock(family.name, moe, recorder_for(getattr(block, family.router)), jitter)
+
+
+def convert(model: nn.Module, ep_size: int = 1, moe_group: Optional[dist.ProcessGroup] = None, **options):
+    """Replace every sparse MoE block of the transformers model `model` by an `HFMoEBlock` holding the
+    same weights, in place; returns the model.
+
+    Every block is checked (and its replacement built) before any is swapped in: on an error naming
+    the block the model is left unchanged. With `ep_size` > 1 (torch.distributed initialised;
+    `moe_group` of that size, or the world) each rank keeps only its slice of every block's experts.
+    `options` override the family's router (RouterGate options such as aux_loss="switch",
+    selection_bias="updated", capacity) or go to FMoE (backend, shadow, schedule, schedule_group_size).
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"convert: {type(model).__name__} has no .config; pass a transformers PreTrainedModel")
+    if any(isinstance(m, HFMoEBlock) for m in model.modules()):
+        raise ValueError(f"convert: {type(model).__name__} is already converted (it holds HFMoEBlock layers)")
+    blocks = find_moe_blocks(model)
+    if not blocks:
+        raise ValueError(f"convert: {type(model).__name__} has no sparse MoE block; upcycle a dense model with "
+                         "fmoe.hf.moefy instead")
+    plans = [plan_block(name, block, config, ep_size, options) for name, block in blocks]
+    new_blocks = [build_block(plan, ep_size, moe_group, options) for plan in plans]
+    for plan, new in zip(plans, new_blocks):
+        parent, _, child = plan.name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+    return model
+
+
+def converted_blocks(model: nn.Module):
+    """(name, HFMoEBlock) of every converted block."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, HFMoEBlock)]

@@ -1,0 +1,74 @@
+"""`export`: a converted model back in its family's own checkpoint layout, loadable by plain transformers."""
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+
+from fmoe.hf.convert import HFMoEBlock
+from fmoe.hf.families import BY_NAME, ExpertWeights
+
+
+def _all_experts(tensor_e, block: HFMoEBlock):
+    """This rank's experts' tensor gathered along the expert dimension from the block's EP group."""
+    moe = block.moe
+    if tensor_e is None or moe.world_size == 1:
+        return tensor_e
+    parts = [torch.empty_like(tensor_e) for _ in range(moe.world_size)]
+    dist.all_gather(parts, tensor_e.detach().contiguous(), group=moe.moe_group)
+    return torch.cat(parts)
+
+
+def block_state(block: HFMoEBlock, pick=lambda t: t) -> dict:
+    """The block's tensors under transformers' names (relative to the block), all experts gathered.
+    `pick` maps each tensor first (tests pass `lambda p: p.grad` to compare gradients)."""
+    family = BY_NAME[block.family]
+    moe, experts = block.moe, block.moe.experts
+
+    def picked(t):
+        return None if t is None else pick(t)
+
+    weights = ExpertWeights(*(_all_experts(picked(t), block) for t in (experts.w1_eDF, experts.w2_eFD,
+                                                                         experts.b1_eF, experts.b2_eD)))
+    state = family.write(weights)
+    gate_state = moe.gate.state_dict(keep_vars=True)
+    state.update({hf_key: picked(gate_state[key]) for hf_key, key in family.router_keys.items()})
+    if family.shared:
+        for key, tensor in moe.shared_experts[0].state_dict(keep_vars=True).items():
+            state[f"{family.shared}.{key}"] = picked(tensor)
+    if family.shared_gate:
+        state[f"{family.shared_gate}.weight"] = picked(moe.shared_expert_gate.weight)
+    return {key: t.detach() for key, t in state.items() if t is not None}
+
+
+def hf_state_dict(model: nn.Module) -> dict:
+    """The model's state dict with every converted block in its family's layout (a collective under EP)."""
+    blocks = {name: m for name, m in model.named_modules() if isinstance(m, HFMoEBlock)}
+    if not blocks:
+        raise ValueError(f"export: {type(model).__name__} holds no converted block (convert it with fmoe.hf.convert)")
+    state = {key: t for key, t in model.state_dict().items()
+             if not any(key.startswith(name + ".") for name in blocks)}
+    for name, block in blocks.items():
+        state.update({f"{name}.{key}": t for key, t in block_state(block).items()})
+    return state
+
+
+def export(model: nn.Module, path) -> Path:
+    """Write `model` (converted with fmoe.hf.convert) to the folder `path` as its original family's
+    checkpoint: config.json and model.safetensors, which `AutoModelForCausalLM.from_pretrained(path)`
+    loads with no fmoe installed. Under expert parallelism every rank must call it (the experts
+    are gathered); global rank 0 writes. Returns the path."""
+    path = Path(path)
+    state = hf_state_dict(model)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    # Tied tensors (lm_head = embeddings) share storage, which safetensors refuses: each gets its own copy.
+    save_file({key: t.detach().contiguous().clone().cpu() for key, t in state.items()},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(path)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(path)
+    return path

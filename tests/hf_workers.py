@@ -1,0 +1,43 @@
+"""Rank bodies for the EP tests of fmoe.hf (run by tests.dist_utils.run_ranks)."""
+import copy
+
+import torch
+import transformers
+
+import fmoe.hf
+from tests.hf_models import tiny, tokens
+from tests.test_hf_convert import TOL, hf_named_grads
+
+
+def check_ep_matches_one_process(rank, world_size, families, folder):
+    """check_family_ep for each family, in one pair of processes (spawning costs more than checking)."""
+    for family in families:
+        check_family_ep(rank, world_size, family, f"{folder}/{family}")
+
+
+def check_family_ep(rank, world_size, family, folder):
+    """Both ranks feed the same batch: logits equal transformers' own; each expert's gradient is the
+    sum over the two ranks' tokens (2x one process), every other gradient one process's."""
+    model = tiny(family)
+    converted = fmoe.hf.convert(copy.deepcopy(model), ep_size=world_size)
+    for _, block in fmoe.hf.converted_blocks(converted):
+        assert block.moe.experts.w1_eDF.shape[0] * world_size == block.moe.tot_expert
+    ids = tokens()
+    kwargs = {"output_router_logits": True} if hasattr(model.config, "output_router_logits") else {}
+    want = model(ids, labels=ids, **kwargs)
+    want.loss.backward()
+    got = converted(ids, labels=ids, **kwargs)
+    got.loss.backward()
+    torch.testing.assert_close(got.logits, want.logits, **TOL)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    got_grads = hf_named_grads(converted)       # gathers every block's expert gradients (a collective)
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        scale = world_size if ".experts." in name else 1
+        torch.testing.assert_close(got_grads[name], scale * p.grad, **TOL, msg=lambda m: f"{name}: {m}")
+    fmoe.hf.export(converted, folder)           # gathered from both ranks, written by rank 0
+    if rank == 0:
+        plain = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(plain(ids).logits, want.logits, **TOL)

@@ -1,0 +1,200 @@
+"""fmoe.hf.convert / export on every transformers MoE family: same logits, gradients, router logits and
+aux loss as transformers' own blocks; whole-or-nothing conversion; a round trip through plain transformers."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import fmoe.hf  # noqa: E402
+from fmoe.hf.convert import HFMoEBlock  # noqa: E402
+from fmoe.hf.export import block_state  # noqa: E402
+from fmoe.hf.families import find_moe_blocks  # noqa: E402
+from tests.hf_models import FAMILIES, tiny, tokens  # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def hf_named_grads(model):
+    """Every gradient under transformers' names, converted blocks mapped back to their family's layout."""
+    blocks = {name: m for name, m in model.named_modules() if isinstance(m, HFMoEBlock)}
+    grads = {n: p.grad for n, p in model.named_parameters()
+             if p.grad is not None and not any(n.startswith(b + ".") for b in blocks)}
+    for name, block in blocks.items():
+        grads.update({f"{name}.{k}": g for k, g in block_state(block, pick=lambda p: p.grad).items()})
+    return grads
+
+
+def run(model, ids, **kwargs):
+    model.zero_grad()
+    out = model(ids, labels=ids, **kwargs)
+    out.loss.backward()
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_matches_transformers(family):
+    model = tiny(family)
+    converted = fmoe.hf.convert(copy.deepcopy(model))
+    (name, hf_block), = find_moe_blocks(model)[-1:]
+    block = converted.get_submodule(name)
+    assert isinstance(block, HFMoEBlock) and block.family == family
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3))
+    outs = []
+    for b in (hf_block, block):
+        xb = x.clone().requires_grad_(True)
+        y = b(xb)
+        y = y[0] if isinstance(y, tuple) else y
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append((y, xb.grad))
+    torch.testing.assert_close(outs[1][0], outs[0][0], **TOL)
+    torch.testing.assert_close(outs[1][1], outs[0][1], **TOL)
+    want = {k: p.grad for k, p in hf_block.named_parameters() if p.grad is not None}
+    got = block_state(block, pick=lambda p: p.grad)
+    assert want.keys() <= got.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], **TOL, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_logits_loss_router_logits_and_grads_match(family):
+    model = tiny(family)
+    converted = fmoe.hf.convert(copy.deepcopy(model))
+    assert not find_moe_blocks(converted) and fmoe.hf.converted_blocks(converted)
+    ids = tokens()
+    kwargs = {"output_router_logits": True} if hasattr(model.config, "output_router_logits") else {}
+    want, got = run(model, ids, **kwargs), run(converted, ids, **kwargs)
+    torch.testing.assert_close(got.logits, want.logits, **TOL)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)     # with HF's aux loss where the family has one
+    if getattr(want, "router_logits", None):
+        assert len(got.router_logits) == len(want.router_logits)
+        for g, w in zip(got.router_logits, want.router_logits):
+            torch.testing.assert_close(g.float(), w.float(), **TOL)
+    if getattr(want, "aux_loss", None) is not None:
+        torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
+    want_grads, got_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, \
+        hf_named_grads(converted)
+    assert want_grads.keys() <= got_grads.keys()
+    for key in want_grads:
+        torch.testing.assert_close(got_grads[key], want_grads[key], **TOL, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "dbrx", "qwen2_moe"])
+def test_export_loads_in_plain_transformers_with_the_same_logits(family, tmp_path):
+    model = fmoe.hf.convert(tiny(family))
+    with torch.no_grad():       # the fmoe weights, not stale HF ones, must be what is written
+        for _, block in fmoe.hf.converted_blocks(model):
+            block.moe.experts.w2_eFD.mul_(1.5)
+    fmoe.hf.export(model, tmp_path)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not any(isinstance(m, HFMoEBlock) for m in plain.modules())
+    ids = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, model(ids).logits, **TOL)
+
+
+def test_half_convertible_model_is_left_untouched():
+    model = tiny("deepseek_v3", seed=2)
+    model.config.num_hidden_layers = 3
+    bad_layer = copy.deepcopy(model.model.layers[1])
+    with torch.no_grad():
+        bad_layer.mlp.experts.gate_up_proj = nn.Parameter(torch.zeros(8, 7, 16))
+    model.model.layers.append(bad_layer)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp .*gate_up_proj.*expected .*unchanged"):
+        fmoe.hf.convert(model)
+    assert not any(isinstance(m, HFMoEBlock) for m in model.modules())
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+class StrangeMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.experts = nn.Linear(16, 4), nn.Linear(16, 16)
+
+
+def test_bad_input_fails_clearly_and_changes_nothing():
+    dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match="no sparse MoE block.*moefy"):
+        fmoe.hf.convert(dense)
+    model = tiny("mixtral")
+    model.model.layers[1].mlp = StrangeMoE()
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp \(StrangeMoE\): unknown MoE family"):
+        fmoe.hf.convert(model)
+    assert type(model.model.layers[0].mlp).__name__ == "MixtralSparseMoeBlock"
+    with pytest.raises(ValueError, match="ep_size=3 must be a positive divisor of the block's 4 experts"):
+        fmoe.hf.convert(tiny("qwen3_moe"), ep_size=3)
+    with pytest.raises(ValueError, match="already a sparse MoE model.*fmoe.hf.convert"):
+        fmoe.hf.moefy(tiny("mixtral"), num_experts=4)
+    converted = fmoe.hf.convert(tiny("olmoe"))
+    with pytest.raises(ValueError, match="already converted"):
+        fmoe.hf.convert(converted)
+    with pytest.raises(ValueError, match="holds no converted block"):
+        fmoe.hf.export(tiny("olmoe"), "/nonexistent")
+
+
+def test_moefy_upcycles_a_dense_model_whole_or_not_at_all():
+    from tests.hf_models import COMMON
+    cfg = transformers.DeepseekV3Config(**dict(COMMON, intermediate_size=32, moe_intermediate_size=12,
+                                               n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                                               n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=8,
+                                               qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8))
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="fmoe.hf.convert"):
+        fmoe.hf.moefy(model, num_experts=4)
+    assert not any(isinstance(m, fmoe.hf.MoEMLP) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_experts_implementation_fmoe_matches_eager(family):
+    model = tiny(family)
+    fast = copy.deepcopy(model)
+    fast.set_experts_implementation("fmoe")
+    model.set_experts_implementation("eager")
+    ids = tokens()
+    want, got = run(model, ids), run(fast, ids)
+    torch.testing.assert_close(got.logits, want.logits, **TOL)
+    for (n, p), q in zip(model.named_parameters(), fast.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, **TOL, msg=lambda m: f"{n}: {m}")
+
+
+def test_router_options_pass_through():
+    model = fmoe.hf.convert(tiny("deepseek_v3"), selection_bias="updated")
+    (_, block), = fmoe.hf.converted_blocks(model)
+    assert block.moe.gate.selection_bias == "updated"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_layouts_read_and_write_back(family):
+    """fmoe's stacked experts read from the family's tensors compute what its experts compute, and
+    write back to exactly its tensors."""
+    from fmoe.experts import GroupedExperts
+    from fmoe.hf.families import BY_BLOCK
+    from fmoe.kernels import permute, unpermute
+    from fmoe.routing import RoutingPlan
+    _, block = find_moe_blocks(tiny(family))[-1]
+    layout = BY_BLOCK[type(block).__name__]
+    w = layout.read(block)
+    E, D, F = w.shape
+    experts = GroupedExperts(E, D, F, w.activation, bias=w.b1_EF is not None)
+    with torch.no_grad():
+        experts.w1_eDF.copy_(w.w1_EDF)
+        experts.w2_eFD.copy_(w.w2_EFD)
+        if w.b1_EF is not None:
+            experts.b1_eF.copy_(w.b1_EF)
+            experts.b2_eD.copy_(w.b2_ED)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(10, D, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(10)])
+    weight = torch.rand(10, 2, generator=g)
+    plan = RoutingPlan.build(idx, E)
+    got = unpermute(experts(permute(x, plan), plan.counts_E), plan, weight)
+    torch.testing.assert_close(got, block.experts(x, idx, weight).reshape(10, D), **TOL)
+    state = block.state_dict()
+    for key, tensor in layout.write(w).items():
+        assert torch.equal(tensor, state[key]), key
