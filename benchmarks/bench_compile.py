@@ -1,7 +1,7 @@
 """Forward+backward of one MoE layer, eager beside torch.compile, in one process.
 
     python benchmarks/bench_compile.py --out benchmarks/results/compile-cpu.json
-    python benchmarks/bench_compile.py --quick --reps 1          # a smoke run: tiny shapes, nothing written
+    python benchmarks/bench_compile.py --quick --reps 1 --gates naive --activations gelu   # smoke: nothing written
 
 Eager runs the CPU's eager path (the experts' MLP fused per expert over host counts); compiled
 runs the sync-free path (torch._grouped_mm over device counts, Inductor around it). The first
@@ -29,6 +29,8 @@ def main(argv=None):
     p.add_argument("--num-expert", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--gates", default="naive,gshard", help="comma-separated gates (default: %(default)s)")
+    p.add_argument("--activations", default="gelu,swiglu", help="comma-separated (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="tiny shapes (T=64, D=32, F=64), for a smoke run")
     p.add_argument("--out", default=None, help="JSON path to write (default: print only)")
     args = p.parse_args(argv)
@@ -40,8 +42,8 @@ def main(argv=None):
     x = torch.randn(T, D, device=device, requires_grad=True)
 
     rows = {}
-    for activation in ("gelu", "swiglu"):
-        for gate in ("naive", "gshard"):
+    for activation in args.activations.split(","):
+        for gate in args.gates.split(","):
             torch.manual_seed(0)
             kw = dict(num_expert=E, d_model=D, d_hidden=F_, top_k=K, gate=gate, activation=activation)
             eager = fmoe.FMoETransformerMLP(**kw).to(device)
