@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# On a CUDA machine, in under 8 minutes: the Triton kernel tests compiled (no interpreter), then
-# the kernel benchmark. Results land in benchmarks/results/: gpu-tests.json (counts and failed
-# tests), kernels-<gpu name>.json (the benchmark; written section by section), and both logs.
+# On a CUDA machine, in under 8 minutes: the Triton kernel tests compiled (no interpreter) and the
+# sync-free / CUDA-graph checks (tests/test_gpu_sync.py), then the kernel benchmark. Results land in
+# benchmarks/results/: gpu-tests.json (counts and failed tests), kernels-<gpu name>.json (the
+# benchmark; written section by section), and both logs.
 # Needs only the repository (not installed) and torch + triton + pytest.
 #
 #     bash benchmarks/gpu_check.sh
@@ -15,7 +16,7 @@ python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_
 start=$SECONDS
 
 # One config per kernel in the tests: autotuning every tiny shape would spend minutes compiling.
-FMOE_TRITON_AUTOTUNE=0 timeout 210 python -m pytest tests/test_triton_kernels.py -q -rfE \
+FMOE_TRITON_AUTOTUNE=0 timeout 270 python -m pytest tests/test_triton_kernels.py tests/test_gpu_sync.py -q -rfE \
     --junitxml="$RESULTS/gpu-tests.xml" 2>&1 | tee "$RESULTS/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 python - "$RESULTS/gpu-tests.xml" "$tests_rc" > "$RESULTS/gpu-tests.json" <<'PY'

@@ -44,6 +44,7 @@ def add_train_args(p: argparse.ArgumentParser):
     g.add_argument("--device", default=run.device,
                    help="auto (CUDA when there is one), cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt up to --steps")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (the MoE layers trace whole)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--nproc", type=int, default=1,
                    help="processes on this machine, started through torchrun (GPUs with NCCL, else CPU with gloo)")
@@ -83,7 +84,8 @@ def run_train(args):
                           num_expert=args.num_expert, top_k=args.top_k, gate=args.gate, d_hidden=args.d_hidden,
                           aux_coef=args.aux_coef)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
-                      data=args.data, out=args.out, resume=args.resume, ep_size=args.ep_size)
+                      data=args.data, out=args.out, resume=args.resume, ep_size=args.ep_size,
+                      compile=args.compile)
     r = train(cfg, model_cfg, progress=not args.no_progress)
     if launched_by_torchrun():
         report_and_exit(r)

@@ -198,9 +198,11 @@ class ModuleListExperts(nn.Module):
         self.num_expert = num_expert
 
     def forward(self, x_ND, counts_e):
-        chunks = torch.split(x_ND, counts_e.tolist())
-        outs = [self.experts[e](chunk) if chunk.shape[0] else chunk for e, chunk in enumerate(chunks)]
-        return torch.cat(outs, dim=0) if outs else x_ND
+        # The split sizes are read on the host: under torch.compile this is a graph break.
+        counts = counts_e.tolist()
+        chunks = torch.split(x_ND, counts + [x_ND.shape[0] - sum(counts)])   # last: rows of dropped slots
+        outs = [self.experts[e](chunk) if chunk.shape[0] else chunk for e, chunk in enumerate(chunks[:-1])]
+        return torch.cat(outs + [torch.zeros_like(chunks[-1])], dim=0)
 
     def expert_forward(self, e: int, x_TD):
         return self.experts[e](x_TD)

@@ -12,9 +12,13 @@ from fmoe.distributed.shadow import ShadowPlan
 class RoutingPlan:
     """Rows in expert order and the maps back to token slots.
 
-    A *slot* is one (token, k) pair, numbered `t * K + k`; a *row* is a kept slot placed in
-    expert order (stable: token order within an expert). Dropped slots (expert -1) get no row.
-    With shadowed experts, their rows come last, after the rows that travel, in shadow order.
+    A *slot* is one (token, k) pair, numbered `t * K + k`; a *row* is a slot placed in expert
+    order (stable: token order within an expert). On one rank every slot has a row, so there are
+    exactly T*K rows and nothing is read back to the host: the rows of dropped slots (expert -1)
+    come last, past every expert's segment, the GEMMs leave them zero and `row_of_slot_TK` marks
+    those slots -1 so the combine skips them. Across ranks only kept slots get rows (the exchange
+    needs the real number on the host anyway). With shadowed experts, their rows come after the
+    rows that travel, in shadow order.
     """
 
     num_tokens: int
@@ -44,7 +48,9 @@ class RoutingPlan:
         T, K = expert_idx_TK.shape
         idx_S = expert_idx_TK.reshape(-1)
         live_S = idx_S >= 0
-        counts_E = torch.bincount(idx_S[live_S], minlength=num_experts)
+        # Counted by a scatter, not bincount: its output size would depend on the values.
+        counts_E = torch.zeros(num_experts, dtype=torch.int64, device=idx_S.device)
+        counts_E.scatter_add_(0, idx_S.clamp_min(0), live_S.long())
         shadow = None
         # Sort key: the expert id; shadowed experts after all others, dropped slots last.
         key_of_E = torch.arange(num_experts, device=idx_S.device)
@@ -56,10 +62,10 @@ class RoutingPlan:
                 shadow = ShadowPlan(experts_S, counts_E[shadowed])
         key_S = torch.where(live_S, key_of_E[idx_S.clamp_min(0)], torch.full_like(idx_S, 2 * num_experts))
         order_S = torch.sort(key_S, stable=True).indices
-        num_rows = int(counts_E.sum()) if idx_S.numel() else 0
+        num_rows = idx_S.numel() if world_size == 1 else int(counts_E.sum())
         slot_N = order_S[:num_rows]
-        row_of_slot_S = torch.full_like(idx_S, -1)
-        row_of_slot_S[slot_N] = torch.arange(num_rows, device=idx_S.device)
+        row_of_slot_S = torch.full_like(idx_S, -1).scatter_(0, slot_N, torch.arange(num_rows, device=idx_S.device))
+        row_of_slot_S = torch.where(live_S, row_of_slot_S, -1)
         exchange = None
         if world_size > 1:
             sent_counts_E = counts_E.clone()

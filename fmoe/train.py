@@ -38,6 +38,7 @@ class TrainConfig:
     sample_bytes: int = 100
     prompt: str = "def "
     ep_size: int = 1            # expert-parallel size when launched on several processes
+    compile: bool = False       # torch.compile the model (nn.Module.compile: same state_dict keys)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_batches", "ep_size"):
@@ -251,6 +252,8 @@ class Trainer:
             self.synced = DistributedGroupedDataParallel(self.model, groups=self.groups)
         else:
             self.model = GPT(model_cfg).to(self.device)
+        if cfg.compile:
+            self.model.compile()
         self.optimizer = make_optimizer(self.model, cfg)
         # Every rank reads its own batches.
         self.sampler = BatchSampler(self.corpus.train_N, cfg.batch_size, model_cfg.seq_len,

@@ -1,7 +1,10 @@
 """The kernel seam: `permute`, `unpermute`, `grouped_mm` (and the fused `gather_grouped_mm`), torch or Triton.
 
 Triton is chosen for CUDA tensors when it imports, torch elsewhere; `backend=` or the
-environment variable `FMOE_BACKEND=torch|triton` force one.
+environment variable `FMOE_BACKEND=torch|triton` force one. Every op is an `fmoe::` custom op
+(`fmoe.kernels.ops`), so `torch.compile` traces through it. The torch backend runs *sync-free*
+(counts never read on the host) under torch.compile, on CUDA tensors, or with FMOE_SYNC_FREE=1;
+otherwise, on the CPU in eager mode, it loops over host counts where that is faster.
 """
 import os
 from typing import Optional
@@ -66,28 +69,44 @@ def backend_report() -> dict:
     return report
 
 
-def _ops(tensor, backend):
-    if resolve_backend(tensor, backend) == "triton":
-        from fmoe.kernels import triton_ops
-        return triton_ops
-    return torch_ops
+def sync_free(tensor: torch.Tensor) -> bool:
+    """Whether the torch backend must keep counts on the device for this tensor."""
+    if torch.compiler.is_compiling() or tensor.is_cuda:
+        return True
+    return os.environ.get("FMOE_SYNC_FREE", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _triton(tensor, backend) -> bool:
+    return resolve_backend(tensor, backend) == "triton"
 
 
 def permute(x_TD: torch.Tensor, plan: RoutingPlan, backend: Optional[str] = None) -> torch.Tensor:
     """Rows of `x_TD` in expert order: row n is token `plan.token_N[n]`."""
-    return _ops(x_TD, backend).permute(x_TD, plan)
+    if _triton(x_TD, backend):
+        from fmoe.kernels import triton_ops
+        return triton_ops.permute(x_TD, plan)
+    return torch_ops.permute(x_TD, plan, sync_free(x_TD))
 
 
 def unpermute(y_ND: torch.Tensor, plan: RoutingPlan, weight_TK: torch.Tensor,
               backend: Optional[str] = None) -> torch.Tensor:
     """out[t] = sum over k of weight[t, k] * y[row of slot (t, k)], dropped slots adding 0."""
-    return _ops(y_ND, backend).unpermute(y_ND, plan, weight_TK)
+    if _triton(y_ND, backend):
+        from fmoe.kernels import triton_ops
+        return triton_ops.unpermute(y_ND, plan, weight_TK)
+    return torch_ops.unpermute(y_ND, plan, weight_TK, sync_free(y_ND))
 
 
 def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
                bias_eO: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
-    """Rows sorted by expert, `counts_e[e]` of them for expert e: y = x_seg @ w_eIO[e] + bias_eO[e]."""
-    return _ops(x_NI, backend).grouped_mm(x_NI, w_eIO, counts_e, bias_eO)
+    """Rows sorted by expert, `counts_e[e]` of them for expert e: y = x_seg @ w_eIO[e] + bias_eO[e].
+
+    Rows past the last segment (sum(counts_e) to the end: the rows of dropped slots) are zero.
+    """
+    if _triton(x_NI, backend):
+        from fmoe.kernels import triton_ops
+        return triton_ops.grouped_mm(x_NI, w_eIO, counts_e, bias_eO)
+    return torch_ops.grouped_mm(x_NI, w_eIO, counts_e, bias_eO, sync_free(x_NI))
 
 
 def gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
@@ -98,12 +117,16 @@ def gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Te
     On Triton the GEMM reads x_TD's rows through token_N, so the permuted copy never exists; the
     backward sums each token's K row gradients in a fixed order, as permute's does.
     """
-    return _ops(x_TD, backend).gather_grouped_mm(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, bias_eO)
+    if _triton(x_TD, backend):
+        from fmoe.kernels import triton_ops
+        return triton_ops.gather_grouped_mm(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, bias_eO)
+    return torch_ops.gather_grouped_mm(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, bias_eO, sync_free(x_TD))
 
 
 def fused_expert_mlp_applies(x_ND: torch.Tensor, activation, backend: Optional[str] = None) -> bool:
-    """The per-expert fused MLP pays on CPU tensors with the torch backend and a built-in activation."""
-    return (not x_ND.is_cuda and resolve_backend(x_ND, backend) == "torch"
+    """The per-expert fused MLP pays on CPU tensors in eager mode with the torch backend and a
+    built-in activation; it reads the counts on the host, so the sync-free path never takes it."""
+    return (not sync_free(x_ND) and resolve_backend(x_ND, backend) == "torch"
             and activation in torch_ops.FUSED_MLP_ACTIVATIONS)
 
 

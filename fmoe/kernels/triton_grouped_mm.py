@@ -197,7 +197,7 @@ def grouped_mm_rows(x_XI, w_eIO, counts_e, rows_N=None, bias_eO=None):
     _check_kernel_device(x_XI)
     N = x_XI.shape[0] if rows_N is None else rows_N.shape[0]
     E, I, O = w_eIO.shape
-    y_NO = x_XI.new_empty(N, O)
+    y_NO = x_XI.new_zeros(N, O)     # rows past the last segment (dropped slots) stay zero
     if N == 0 or O == 0:
         return y_NO
     upcast, precision = _dot_modes(x_XI.dtype)

@@ -1,16 +1,18 @@
 """Triton implementations of `permute`, `unpermute`, `grouped_mm` and `gather_grouped_mm`.
 
 Same signatures and results as `fmoe.kernels.torch_ops`, op for op and gradient for gradient:
-each is an autograd function whose backward is written out with the kernels of
-`triton_permute` and `triton_grouped_mm`. Every sum is a gather in a fixed order, so results are
-deterministic. Counts never travel to the host, so no op here synchronises with the GPU.
+each is an `fmoe::` custom op (`fmoe.kernels.ops`, impl "triton") whose forward and backward run
+the kernels of `triton_permute` and `triton_grouped_mm`, re-exported here for it. Every sum is a
+gather in a fixed order, so results are deterministic. Counts never travel to the host, so no op
+here synchronises with the GPU. The functions below check their arguments, then call the op.
 """
 from typing import Optional
 
 import torch
 
-from fmoe.kernels.triton_grouped_mm import expert_row_sums, grouped_mm_rows, grouped_mm_weight_grad
-from fmoe.kernels.triton_permute import gather_sum, permute_rows, unpermute_backward
+from fmoe.kernels import ops
+from fmoe.kernels.triton_grouped_mm import expert_row_sums, grouped_mm_rows, grouped_mm_weight_grad  # noqa: F401
+from fmoe.kernels.triton_permute import gather_sum, permute_rows, unpermute_backward  # noqa: F401
 from fmoe.routing import RoutingPlan
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -63,74 +65,10 @@ def _check_grouped_mm(x_name: str, x: torch.Tensor, w_eIO: torch.Tensor, counts_
                             f"got {bias_eO.dtype} on {bias_eO.device}")
 
 
-class Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD, token_N, row_of_slot_TK):
-        ctx.save_for_backward(row_of_slot_TK)
-        return permute_rows(x_TD, token_N)
-
-    @staticmethod
-    def backward(ctx, grad_ND):
-        (row_of_slot_TK,) = ctx.saved_tensors
-        return gather_sum(grad_ND, row_of_slot_TK), None, None
-
-
-class Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_ND, weight_TK, token_N, slot_N, row_of_slot_TK):
-        ctx.save_for_backward(y_ND, weight_TK, token_N, slot_N)
-        return gather_sum(y_ND, row_of_slot_TK, weight_TK)
-
-    @staticmethod
-    def backward(ctx, grad_TD):
-        y_ND, weight_TK, token_N, slot_N = ctx.saved_tensors
-        grad_y, grad_w = unpermute_backward(grad_TD, y_ND, weight_TK, token_N, slot_N,
-                                            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return grad_y, grad_w, None, None, None
-
-
-class GroupedMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_NI, w_eIO, counts_e, bias_eO):
-        ctx.save_for_backward(x_NI, w_eIO, counts_e)
-        return grouped_mm_rows(x_NI, w_eIO, counts_e, bias_eO=bias_eO)
-
-    @staticmethod
-    def backward(ctx, dy_NO):
-        x_NI, w_eIO, counts_e = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        dx = grouped_mm_rows(dy_NO, w_eIO.transpose(1, 2), counts_e) if needs[0] else None
-        dw = grouped_mm_weight_grad(x_NI, dy_NO, counts_e) if needs[1] else None
-        db = expert_row_sums(dy_NO, counts_e, w_eIO.dtype) if needs[3] else None
-        return dx, dw, None, db
-
-
-class GatherGroupedMM(torch.autograd.Function):
-    """grouped_mm of the rows x_TD[token_N], read in place by the GEMM: no permuted copy of x."""
-
-    @staticmethod
-    def forward(ctx, x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, bias_eO):
-        ctx.save_for_backward(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK)
-        return grouped_mm_rows(x_TD, w_eIO, counts_e, rows_N=token_N, bias_eO=bias_eO)
-
-    @staticmethod
-    def backward(ctx, dy_NO):
-        x_TD, token_N, w_eIO, counts_e, row_of_slot_TK = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        dx = dw = db = None
-        if needs[0]:
-            dx = gather_sum(grouped_mm_rows(dy_NO, w_eIO.transpose(1, 2), counts_e), row_of_slot_TK)
-        if needs[2]:
-            dw = grouped_mm_weight_grad(x_TD, dy_NO, counts_e, rows_N=token_N)
-        if needs[5]:
-            db = expert_row_sums(dy_NO, counts_e, w_eIO.dtype)
-        return dx, None, dw, None, None, db
-
-
 def permute(x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     _check_float("x_TD", x_TD, 2)
     _check_plan(plan, x_TD.shape[0], x_TD.device)
-    return Permute.apply(x_TD, plan.token_N, plan.row_of_slot_TK)
+    return ops.permute(x_TD, plan.token_N, plan.row_of_slot_TK, "triton")
 
 
 def unpermute(y_ND: torch.Tensor, plan: RoutingPlan, weight_TK: torch.Tensor) -> torch.Tensor:
@@ -143,13 +81,13 @@ def unpermute(y_ND: torch.Tensor, plan: RoutingPlan, weight_TK: torch.Tensor) ->
         raise ValueError(f"weight_TK must have shape {(plan.num_tokens, plan.top_k)}, got {tuple(weight_TK.shape)}")
     if weight_TK.device != y_ND.device:
         raise ValueError(f"weight_TK must be on {y_ND.device} like y_ND, got {weight_TK.device}")
-    return Unpermute.apply(y_ND, weight_TK, plan.token_N, plan.slot_N, plan.row_of_slot_TK)
+    return ops.unpermute(y_ND, weight_TK, plan.token_N, plan.slot_N, plan.row_of_slot_TK, "triton")
 
 
 def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
                bias_eO: Optional[torch.Tensor] = None) -> torch.Tensor:
     _check_grouped_mm("x_NI", x_NI, w_eIO, counts_e, bias_eO)
-    return GroupedMM.apply(x_NI, w_eIO, counts_e, bias_eO)
+    return ops.grouped_mm(x_NI, w_eIO, counts_e, bias_eO, "triton")
 
 
 def gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
@@ -157,4 +95,4 @@ def gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Te
     _check_grouped_mm("x_TD", x_TD, w_eIO, counts_e, bias_eO)
     _check_index("token_N", token_N, (None,), x_TD.device)
     _check_index("row_of_slot_TK", row_of_slot_TK, (x_TD.shape[0], None), x_TD.device)
-    return GatherGroupedMM.apply(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, bias_eO)
+    return ops.gather_grouped_mm(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, bias_eO, "triton")
