@@ -152,6 +152,7 @@ class FMoE(nn.Module):
             raise ValueError(f"{self.label}: input dtype {x.dtype} does not match the layer's parameters' "
                              f"{', '.join(sorted(map(str, dtypes)))}: cast the input or the layer (layer.to(dtype))")
 
+    @torch.compiler.disable     # talks to the peers through the process group: not traceable, runs eagerly
     def check_with_peers(self, x):
         """Before the first exchange, every rank agrees on the layer; every forward names the layer
         in the collectives' timeout messages."""

@@ -488,6 +488,8 @@ def check_zero_tokens_every_gate(rank, world, eval_gates, training_gates):
             x_all = torch.randn(5, D, generator=torch.Generator().manual_seed(1))
             lo, hi = (0, 0) if rank == 0 else (0, 5)
             torch.testing.assert_close(ep(x_all[lo:hi]), full(x_all)[lo:hi], atol=1e-5, rtol=1e-5)
+
+
 def check_compiled_layer_matches_eager(rank, world):
     """An expert-parallel layer compiled (graph breaks at the exchange) equals it in eager mode."""
     for gate, top_k in (("naive", 2), ("gshard", 2)):
