@@ -38,6 +38,16 @@ def test_shadowing_equals_plain_expert_parallelism(world):
     run_ranks(shadow_workers.check_shadowing_equals_plain, world)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlapped_pull_and_push_are_bitwise_blocking(world):
+    run_ranks(shadow_workers.check_overlap_is_bitwise_blocking, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_user_and_gated_experts_shadow_with_and_without_schedule(world):
+    run_ranks(shadow_workers.check_any_expert_shadowing_equals_plain, world)
+
+
 def test_real_policy_shadows_the_hot_expert():
     run_ranks(shadow_workers.check_policy_shadows_a_hot_expert, 2)
 
