@@ -142,3 +142,36 @@ def check_any_expert_shadowing_equals_plain(rank, world):
         compare_variants(rank, world, top_k, hot,
                          lambda w, e, k, h: build(w, e, k, h, shadow=FixedShadow(h), **kw),
                          lambda w, e, k, h: build(w, e, k, h, shadow=False, **kw))
+
+
+def check_deepspeed_shadowing_equals_off(rank, world):
+    """DeepSpeed ZeRO 0 and 2 (ep = world): two steps with shadowing equal two without, in outputs,
+    gradients (ZeRO 0) and parameters."""
+    import deepspeed
+    import fmoe.deepspeed as fds
+    groups = fds.setup_expert_parallel(world)
+    hot = [0, 2 * world - 1]
+    for stage in (0, 2):
+        runs = []
+        for shadow in (False, FixedShadow(hot)):
+            layer = build(world, 2, 2, hot, shadow=shadow, moe_group=groups.moe_group)
+            fds.mark_expert_params(layer)
+            params = fds.moe_param_groups(layer)
+            engine, *_ = deepspeed.initialize(
+                model=layer, model_parameters=params, optimizer=torch.optim.Adam(params, lr=1e-2),
+                config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+                        "steps_per_print": 10 ** 6})
+            g = torch.Generator().manual_seed(rank)
+            outs, grads = [], []
+            for _ in range(2):
+                x = torch.randn(10, D, generator=g)
+                out = engine(x)
+                engine.backward((out * torch.randn(out.shape, generator=g)).sum())
+                if stage == 0:
+                    grads.append([p.grad.clone() for p in layer.parameters()])
+                engine.step()
+                outs.append(out.detach())
+            runs.append((outs, grads, [p.detach().clone() for p in layer.parameters()]))
+        (o0, g0, p0), (o1, g1, p1) = runs
+        for a, b in zip(o0 + sum(g0, []) + p0, o1 + sum(g1, []) + p1):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m: f"stage {stage} rank {rank}: {m}")

@@ -140,3 +140,9 @@ def test_simulate_compares_with_a_bench_run_and_sets_paper_clusters(tmp_path, ca
     assert [r["gpus"] for r in paper] == [16, 64]
     assert paper[1]["speedup"]["both"] > paper[0]["speedup"]["both"] > 1      # the gain grows with the cluster
     assert "R^2 = 1.000" in capsys.readouterr().out
+
+
+def test_shadowing_inside_deepspeed_equals_off():
+    pytest.importorskip("deepspeed")
+    from tests.test_deepspeed import run_deepspeed_ranks
+    run_deepspeed_ranks(shadow_workers.check_deepspeed_shadowing_equals_off, 2)
