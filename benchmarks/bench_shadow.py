@@ -1,17 +1,23 @@
-"""Shadowing on and off, side by side: 2 ranks (gloo, one thread each), d_model 1024, d_hidden 4096.
+"""Shadowing policies side by side: 2 ranks (gloo, one thread each), d_model 1024, d_hidden 4096.
 
-    python benchmarks/bench_shadow.py [--tokens 256] [--num-expert 16] [--reps 3]
+    python benchmarks/bench_shadow.py [--tokens 2048] [--num-expert 16] [--reps 3] [--out FILE]
 
-Two routings: half of all tokens to expert 0 (the rest spread evenly over the other experts),
-and uniform. Forward+backward time per step with shadowing off and on (the real policy, its
-constants calibrated on this machine), the ratio, and what the performance model predicts for the
-same counts; and, to show what the mechanism itself buys, the hottest expert shadowed whatever
-the model says. Writes benchmarks/results/shadow-<device>.json.
+Cases (fixed top-1 routing): `uniform`, `half_to_one_expert` (expert 0 takes half of all tokens,
+the rest spread evenly), `eighty_to_one_expert` (80%), and any `--extra` distribution of
+`fmoe simulate` (`hot:P`, `zipf:S`) for the simulator's validation. Per case, forward+backward
+time per step with: shadowing off; the dynamic policy (FasterMoE's model, constants calibrated
+here); static replication (DeepSeek EPLB style: the top `--static-replicas` experts by load over
+the last `--static-window` steps are replicated for the next ones); and the hottest expert
+always shadowed. `ideal_speedup` is the busiest rank's rows before over after free shadowing,
+from the measured counts. Writes JSON only with `--out` (the committed figure is
+benchmarks/results/shadow-cpu.json, run on a quiet machine).
 """
 import argparse
+import json
 import statistics
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -19,26 +25,30 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe  # noqa: E402
-from common import machine, run_on_ranks, write_json  # noqa: E402
+from common import machine, run_on_ranks  # noqa: E402
 from fmoe.distributed.shadow import ShadowPolicy  # noqa: E402
 from fmoe.gates.base import BaseGate, LinearRouter  # noqa: E402
 from fmoe.perfmodel import PerfModel, calibrate  # noqa: E402
+from fmoe.simulate import expert_shares  # noqa: E402
+
+CASES = {"uniform": "uniform", "half_to_one_expert": "hot:0.5", "eighty_to_one_expert": "hot:0.8"}
+VARIANTS = ("off", "dynamic", "static", "forced")
 
 
 class PresetGate(BaseGate):
-    """Top-1 routing fixed by the scenario; weights from a real router so its gradient flows."""
+    """Top-1 routing fixed by a distribution of `fmoe simulate`; weights from a real router so its
+    gradient flows. Tokens go to experts in contiguous runs of the distribution's counts."""
 
-    def __init__(self, d_model, num_expert, world_size=1, top_k=1, hot_share=0.0, **_):
+    def __init__(self, d_model, num_expert, world_size=1, top_k=1, distribution="uniform", **_):
         super().__init__(d_model, num_expert, world_size, 1)
         self.gate = LinearRouter(d_model, self.tot_expert)
-        self.hot_share = hot_share
+        self.distribution = distribution
 
     def route(self, x_TD):
         T, E = x_TD.shape[0], self.tot_expert
-        hot = int(round(self.hot_share * T))
-        rest = torch.arange(T - hot, device=x_TD.device)
-        others = 1 + rest % (E - 1) if hot else rest % E
-        idx_TK = torch.cat([torch.zeros(hot, dtype=torch.long, device=x_TD.device), others])[:, None]
+        counts_E = (expert_shares(self.distribution, E) * T).floor().long()
+        counts_E[torch.arange(T - int(counts_E.sum())) % E] += 1          # the remainder, round robin
+        idx_TK = torch.repeat_interleave(torch.arange(E, device=x_TD.device), counts_E.to(x_TD.device))[:, None]
         logits_TE = self.gate(x_TD)
         weight_TK = torch.sigmoid(logits_TE.gather(1, idx_TK).float())
         return idx_TK, weight_TK, weight_TK, logits_TE, logits_TE.new_zeros(())
@@ -48,14 +58,36 @@ class AlwaysShadowHottest(ShadowPolicy):
     """Shadows the most loaded expert whatever the model says: what the mechanism itself buys."""
 
     def choose(self, counts_E, world_size, group=None):
-        counts_WE = self.gather_counts(counts_E, world_size, group)
-        return [int(counts_WE.sum(0).argmax())]
+        return [int(self.gather_counts(counts_E, world_size, group).sum(0).argmax())]
 
 
-def step_time(layer, x, reps):
+class StaticReplication(ShadowPolicy):
+    """EPLB-style static replication: every `window` steps, the `replicas` experts with the most
+    load over the last `window` steps are replicated (shadowed) for the next `window` steps."""
+
+    def __init__(self, model, replicas: int = 1, window: int = 4):
+        super().__init__(model)
+        self.replicas, self.window = replicas, window
+        self.history = deque(maxlen=window)
+        self.steps = 0
+        self.current = []
+
+    def choose(self, counts_E, world_size, group=None):
+        if self.steps % self.window == 0 and self.history:
+            load_E = torch.stack(list(self.history)).sum(0)
+            self.history.clear()
+            dist.all_reduce(load_E, group=group)                         # every rank picks the same
+            self.current = torch.topk(load_E, self.replicas).indices.tolist()
+        self.history.append(counts_E.detach().clone())
+        self.steps += 1
+        return list(self.current)
+
+
+def step_time(layer, x, reps, warmup):
     def step():
         layer(x).sum().backward()
-    step()
+    for _ in range(warmup):
+        step()
     times = []
     for _ in range(reps):
         dist.barrier()
@@ -66,53 +98,82 @@ def step_time(layer, x, reps):
     return statistics.median(times)
 
 
+def ideal_speedup(counts_WE: torch.Tensor, d_model: int, d_hidden: int) -> tuple:
+    """The busiest rank's rows (in balanced shares) before and after free shadowing, and their ratio."""
+    free = PerfModel(d_model, d_hidden, flops=1.0, net_bandwidth=float("inf"))
+    before_W = free.worker_rows(counts_WE)
+    after_W = free.worker_rows(counts_WE, free.choose_shadowed(counts_WE))
+    balanced = float(counts_WE.sum()) / counts_WE.shape[0]
+    return float(before_W.max()) / balanced, float(after_W.max()) / balanced, float(before_W.max() / after_W.max())
+
+
 def worker(rank, world, args):
     e = args.num_expert // world
     model = calibrate(PerfModel(args.d_model, args.d_hidden), size=512)
+    cases = dict(CASES, **{d: d for d in args.extra})
     results = {}
-    for scenario, hot_share in (("half_to_one_expert", 0.5), ("uniform", 0.0)):
-        row = {}
-        for shadow in (False, True, "forced"):
+    for case, distribution in cases.items():
+        row = {"distribution": distribution}
+        for variant in VARIANTS:
             torch.manual_seed(0)
-            policy = {False: False, True: ShadowPolicy(model), "forced": AlwaysShadowHottest(model)}[shadow]
+            policy = {"off": False, "dynamic": ShadowPolicy(model), "forced": AlwaysShadowHottest(model),
+                      "static": StaticReplication(model, args.static_replicas, args.static_window)}[variant]
             layer = fmoe.FMoETransformerMLP(num_expert=e, d_model=args.d_model, d_hidden=args.d_hidden, top_k=1,
-                                            world_size=world, gate=PresetGate, gate_kwargs={"hot_share": hot_share},
-                                            shadow=policy)
+                                            world_size=world, gate=PresetGate,
+                                            gate_kwargs={"distribution": distribution}, shadow=policy)
             x = torch.randn(args.tokens, args.d_model, requires_grad=True)
-            row[{False: "shadow_off", True: "shadow_on", "forced": "shadow_forced"}[shadow]] = step_time(layer, x, args.reps)
-            if shadow is True:
-                counts_WE = policy.gather_counts(layer.last_counts_E, world)
-                row["shadowed_experts"] = policy.model.choose_shadowed(counts_WE)
-                row["predicted_off"] = model.layer_time(counts_WE)
-                row["predicted_on"] = model.layer_time(counts_WE, row["shadowed_experts"])
-        row["speedup"] = row["shadow_off"] / row["shadow_on"]
-        row["forced_speedup"] = row["shadow_off"] / row["shadow_forced"]
-        row["predicted_speedup"] = row["predicted_off"] / row["predicted_on"]
-        results[scenario] = row
+            warmup = args.static_window + 1 if variant == "static" else 1
+            row[f"{variant}_s"] = step_time(layer, x, args.reps, warmup)
+            if variant == "off":
+                counts_WE = ShadowPolicy(model).gather_counts(layer.last_counts_E, world)
+                row["counts_WE"] = counts_WE.tolist()
+                row["rank_loads_before"], row["rank_loads_after_free_shadowing"], row["ideal_speedup"] = \
+                    ideal_speedup(counts_WE, args.d_model, args.d_hidden)
+                row["shadowed_experts"] = model.choose_shadowed(counts_WE)
+                row["predicted_off_s"] = model.layer_time(counts_WE)
+                row["predicted_dynamic_s"] = model.layer_time(counts_WE, row["shadowed_experts"])
+        row["speedup"] = row["off_s"] / row["dynamic_s"]
+        row["static_speedup"] = row["off_s"] / row["static_s"]
+        row["forced_speedup"] = row["off_s"] / row["forced_s"]
+        row["fraction_of_ideal"] = row["speedup"] / row["ideal_speedup"]
+        results[case] = row
     return {"results": results, "model": {"flops": model.flops, "net_bandwidth": model.net_bandwidth}}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=256, help="tokens per rank")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--d-hidden", type=int, default=4096)
     p.add_argument("--num-expert", type=int, default=16, help="experts in all")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--static-replicas", type=int, default=1, help="experts the static baseline replicates")
+    p.add_argument("--static-window", type=int, default=4, help="steps of load history per static re-plan")
+    p.add_argument("--extra", nargs="*", default=[],
+                   help="more distributions (hot:P, zipf:S), e.g. for `fmoe simulate --compare`")
+    p.add_argument("--out", help="write the results as JSON here (e.g. benchmarks/results/shadow-cpu.json)")
     args = p.parse_args(argv)
+    for d in args.extra:
+        expert_shares(d, args.num_expert)           # a bad distribution fails before any rank starts
+    if args.num_expert % 2 or args.static_replicas < 1 or args.static_window < 1:
+        raise ValueError("--num-expert must be even (2 ranks); --static-replicas and --static-window >= 1")
     out = run_on_ranks(worker, 2, args)
     m = out["model"]
     print(f"2 ranks x 1 thread, gloo; {args.tokens} tokens/rank, D={args.d_model} F={args.d_hidden}, "
           f"{args.num_expert} experts, top-1; model: {m['flops'] / 1e9:.0f} GFLOP/s, {m['net_bandwidth'] / 1e9:.2f} GB/s")
-    print(f"{'routing':20s}{'off ms':>9s}{'policy ms':>11s}{'speedup':>9s}{'model says':>12s}  shadowed"
-          f"{'hottest forced ms':>19s}{'speedup':>9s}")
+    print(f"{'case':22s}{'off ms':>8s}{'dynamic':>9s}{'static':>8s}{'forced':>8s}{'speedup':>9s}{'ideal':>7s}"
+          f"{'of ideal':>9s}{'static x':>9s}{'forced x':>9s}  shadowed")
     for name, r in out["results"].items():
-        print(f"{name:20s}{r['shadow_off'] * 1e3:9.1f}{r['shadow_on'] * 1e3:11.1f}{r['speedup']:8.2f}x"
-              f"{r['predicted_speedup']:11.2f}x  {str(r['shadowed_experts']):8s}"
-              f"{r['shadow_forced'] * 1e3:19.1f}{r['forced_speedup']:8.2f}x")
-    path = write_json(f"shadow-{'cuda' if torch.cuda.is_available() else 'cpu'}.json",
-                      {"config": vars(args), "machine": machine(), **out})
-    print(f"wrote {path}")
+        print(f"{name:22s}{r['off_s'] * 1e3:8.1f}{r['dynamic_s'] * 1e3:9.1f}{r['static_s'] * 1e3:8.1f}"
+              f"{r['forced_s'] * 1e3:8.1f}{r['speedup']:8.2f}x{r['ideal_speedup']:6.2f}x{r['fraction_of_ideal']:8.0%}"
+              f"{r['static_speedup']:8.2f}x{r['forced_speedup']:8.2f}x  {r['shadowed_experts']}")
+    if args.out:
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"config": vars(args), "machine": machine(), **out}, indent=2) + "\n")
+        print(f"wrote {path}")
+    else:
+        print("not written (pass --out FILE to keep the results)")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from fmoe import kernels
 from fmoe.distributed import exchange
 from fmoe.distributed.check import check_expert_parallel_config
 from fmoe.distributed.schedule import group_size_from_env, schedule_enabled_by_env, scheduled_experts
-from fmoe.distributed.shadow import make_shadow_policy, shadowed_experts_forward
+from fmoe.distributed.shadow import ShadowPull, make_shadow_policy
 from fmoe.distributed.timeout import set_current_layer
 from fmoe.experts import GroupedExperts, ModuleListExperts
 from fmoe.gates import NaiveGate, make_gate
@@ -114,8 +114,7 @@ class FMoE(nn.Module):
         self.schedule_group_size = positive_int("schedule_group_size",
                                                 schedule_group_size if schedule_group_size is not None
                                                 else group_size_from_env())
-        self.shadow_policy = make_shadow_policy(shadow, d_model, d_hidden if expert is None else None,
-                                                self.world_size)
+        self.shadow_policy = make_shadow_policy(shadow, d_model, self.experts, num_expert, self.world_size)
         self.gate_hook = gate_hook
         self.aux_loss = None
         self.last_counts_E = None
@@ -196,16 +195,18 @@ class FMoE(nn.Module):
         if plan.exchange is None:
             return self.experts(x_ND, plan.counts_E)
         x_sent, x_home = x_ND.split([x_ND.shape[0] - plan.num_shadow_rows, plan.num_shadow_rows])
+        # The pull starts first, so it travels while the other rows are dispatched and computed.
+        pull = None if plan.shadow is None else ShadowPull(self.experts, plan.shadow, self.num_expert,
+                                                           self.moe_group, self.shadow_policy.overlap)
         if self.schedule:
             y_sent = scheduled_experts(self.experts, x_sent, plan.exchange, self.schedule_group_size)
         else:
             x_RD = exchange.dispatch(x_sent, plan)
             y_RD = self.experts(x_RD, plan.local_counts_e)
             y_sent = exchange.combine(y_RD, plan)
-        if plan.shadow is None:
+        if pull is None:
             return y_sent
-        y_home = shadowed_experts_forward(self.experts, x_home, plan.shadow, self.num_expert, self.moe_group)
-        return torch.cat([y_sent, y_home])
+        return torch.cat([y_sent, pull.forward(x_home)])
 
     def record(self, routing, plan):
         self.aux_loss = routing.aux_loss

@@ -63,14 +63,20 @@ class PerfModel:
         """Rows each worker processes: its experts' rows from everyone, plus its own rows for the
         shadowed experts (which then no longer come to their owner)."""
         W, E = counts_WE.shape
-        load_E = counts_WE.sum(0).double()
-        home = torch.zeros(E, dtype=torch.bool)
-        home[list(shadowed)] = True
-        owned_WE = torch.zeros(W, E, dtype=torch.bool)
-        owned_WE[torch.arange(E) // (E // W), torch.arange(E)] = True
-        remote_W = ((owned_WE & ~home).double() * load_E).sum(1)
-        local_W = (counts_WE.double() * home.double()).sum(1)
-        return remote_W + local_W
+        home_E = torch.zeros(E, dtype=torch.bool, device=counts_WE.device)
+        home_E[list(shadowed)] = True
+        return self._rows(counts_WE.double(), home_E[None])[0]
+
+    @staticmethod
+    def _rows(counts_WE: torch.Tensor, home_RE: torch.Tensor) -> torch.Tensor:
+        """rows_RW for each of R shadow sets (home_RE: expert e computed at home in set r)."""
+        W, E = counts_WE.shape
+        owner_E = torch.arange(E, device=counts_WE.device) // (E // W)
+        owned_WE = owner_E[None] == torch.arange(W, device=counts_WE.device)[:, None]
+        load_E = counts_WE.sum(0)
+        remote_RW = (~home_RE).double() * load_E @ owned_WE.double().t()
+        local_RW = home_RE.double() @ counts_WE.t()
+        return remote_RW + local_RW
 
     def layer_time(self, counts_WE: torch.Tensor, shadowed: Sequence[int] = (), schedule_steps: int = 1) -> float:
         """Modelled time of the layer: Lat_imbl with no shadowed experts, Lat_shadow(r) otherwise."""
@@ -79,17 +85,21 @@ class PerfModel:
         return slowest + self.shadow_cost(len(shadowed))
 
     def choose_shadowed(self, counts_WE: torch.Tensor, schedule_steps: int = 1) -> List[int]:
-        """Algorithm 1: hottest experts first, shadowed one by one while the modelled time falls."""
-        order = torch.argsort(counts_WE.sum(0), descending=True, stable=True).tolist()
-        chosen: List[int] = []
-        best = self.layer_time(counts_WE, schedule_steps=schedule_steps)
-        for e in order:
-            trial = self.layer_time(counts_WE, chosen + [e], schedule_steps)
-            if trial >= best:
-                break
-            chosen.append(e)
-            best = trial
-        return chosen
+        """Algorithm 1: hottest experts first, shadowed one by one while the modelled time falls.
+
+        Vectorised over the E + 1 prefixes of the hottest-first order (a worker's time is linear
+        in its rows), so the only host transfer is the chosen ids."""
+        counts_WE = counts_WE.double()
+        E = counts_WE.shape[1]
+        order_E = torch.argsort(counts_WE.sum(0), descending=True, stable=True)
+        prefix_RE = torch.arange(E + 1, device=counts_WE.device)[:, None] > torch.arange(E, device=counts_WE.device)
+        home_RE = torch.zeros_like(prefix_RE).scatter(1, order_E.expand(E + 1, E), prefix_RE)
+        rows_R = self._rows(counts_WE, home_RE).max(1).values
+        r_R = torch.arange(E + 1, device=counts_WE.device, dtype=torch.double)
+        time_R = rows_R * self.worker_time(1.0, schedule_steps) + r_R * self.shadow_cost(1)
+        falls_R = time_R[1:] < time_R[:-1]
+        num_shadowed = torch.cumprod(falls_R.long(), 0).sum()
+        return order_E[:num_shadowed].tolist()
 
 
 def pipeline_time(stages: Sequence[float], steps: int) -> float:

@@ -3,6 +3,12 @@
 For each number of GPUs and each distribution of tokens over experts, the modelled step time of
 one MoE layer with plain expert parallelism, with shadowing, with the smart schedule, and with
 both; printed as a table, written as JSON and plotted.
+
+`--calibrate` measures this machine's constants first (matmul FLOP/s and all-to-all bytes/s over
+2 gloo ranks, one thread each, as bench_shadow runs). `--compare FILE` predicts the step times a
+`benchmarks/bench_shadow.py --out FILE` run measured (every case, shadowing off, dynamic and
+forced, from its measured per-rank counts) and writes their R^2 and a predicted-vs-measured
+plot. `--paper` sets FasterMoE's published clusters beside its published speedups.
 """
 import argparse
 import json
@@ -10,11 +16,18 @@ import math
 from pathlib import Path
 from typing import List
 
+import os
+import tempfile
+
 import torch
 
-from fmoe.perfmodel import PerfModel
+from fmoe.perfmodel import PerfModel, calibrate
 
 STRATEGIES = ("plain", "shadow", "schedule", "both")
+# FasterMoE (PPoPP'22): shadowing + smart schedule, one MoE layer, V100s.
+PAPER = ({"gpus": 16, "net_bw": 50e9 / 8, "published_both": 2.20},
+         {"gpus": 64, "net_bw": 100e9 / 8, "published_both": 5.72})
+PAPER_FLOPS = 11.5e12           # FastMoE's default V100 throughput (FMOE_FASTER_GLBPLC_GPUTP)
 
 
 def expert_shares(distribution: str, num_experts: int) -> torch.Tensor:
@@ -78,6 +91,102 @@ def plot(rows: List[dict], distributions: List[str], path: Path):
     plt.close(fig)
 
 
+def _calibrate_rank(rank, world, store, d_model, d_hidden, queue):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    model = calibrate(PerfModel(d_model, d_hidden), size=512)
+    if rank == 0:
+        queue.put((model.flops, model.net_bandwidth))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def calibrate_here(d_model: int, d_hidden: int) -> tuple:
+    """(FLOP/s, bytes/s) measured on 2 gloo ranks of this machine, one thread each."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="fmoe-calibrate-") as folder:
+        procs = [ctx.Process(target=_calibrate_rank, args=(r, 2, os.path.join(folder, "store"), d_model, d_hidden,
+                                                           queue)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        result = queue.get()
+        for proc in procs:
+            proc.join()
+    return result
+
+
+def r_squared(measured: List[float], predicted: List[float]) -> float:
+    m, p = torch.tensor(measured, dtype=torch.double), torch.tensor(predicted, dtype=torch.double)
+    return float(1 - ((m - p) ** 2).sum() / ((m - m.mean()) ** 2).sum())
+
+
+def compare(bench_json: Path, flops: float, net_bw: float, out: Path) -> dict:
+    """Predicted against measured step times of a bench_shadow run; R^2, JSON and plot."""
+    data = json.loads(Path(bench_json).read_text())
+    cfg = data["config"]
+    model = PerfModel(cfg["d_model"], cfg["d_hidden"], flops=flops, net_bandwidth=net_bw)
+    points = []
+    for case, r in data["results"].items():
+        counts_WE = torch.tensor(r["counts_WE"], dtype=torch.double)
+        hottest = [int(counts_WE.sum(0).argmax())]
+        for variant, shadowed in (("off", []), ("dynamic", model.choose_shadowed(counts_WE)), ("forced", hottest)):
+            points.append({"case": case, "variant": variant, "measured_s": r[f"{variant}_s"],
+                           "predicted_s": model.layer_time(counts_WE, shadowed)})
+    r2 = r_squared([p["measured_s"] for p in points], [p["predicted_s"] for p in points])
+    print(f"predicted vs measured ({bench_json}; {flops / 1e9:.1f} GFLOP/s, {net_bw / 1e9:.3f} GB/s):")
+    for p in points:
+        print(f"  {p['case']:22s}{p['variant']:>8s}{p['measured_s'] * 1e3:10.1f} ms measured"
+              f"{p['predicted_s'] * 1e3:10.1f} ms predicted")
+    print(f"R^2 = {r2:.3f} over {len(points)} points")
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"bench": str(bench_json), "flops": flops, "net_bandwidth": net_bw, "r_squared": r2, "points": points}
+    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 5))
+    for variant, marker in (("off", "o"), ("dynamic", "s"), ("forced", "^")):
+        mine = [p for p in points if p["variant"] == variant]
+        ax.plot([p["measured_s"] * 1e3 for p in mine], [p["predicted_s"] * 1e3 for p in mine], marker,
+                linestyle="none", label=f"shadowing {variant}")
+    top = max(max(p["measured_s"], p["predicted_s"]) for p in points) * 1e3 * 1.05
+    ax.plot([0, top], [0, top], "k--", lw=1, label="predicted = measured")
+    ax.set_xlabel("measured step (ms)")
+    ax.set_ylabel("predicted step (ms)")
+    ax.set_title(f"fmoe simulate vs bench_shadow, R^2 = {r2:.3f}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "compare.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {out / 'compare.json'} and {out / 'compare.png'}")
+    return result
+
+
+def paper_rows(args, model: PerfModel, group: int) -> List[dict]:
+    """FasterMoE's clusters (V100s; 16 GPUs at 50 Gb/s, 64 at 100 Gb/s) beside its published speedups:
+    the shape to reproduce is the gain growing with the cluster (2.20x -> 5.72x, 2.6 times)."""
+    rows = []
+    for setup in PAPER:
+        m = PerfModel(model.d_model, model.d_hidden, flops=PAPER_FLOPS, net_bandwidth=setup["net_bw"],
+                      bytes_per_element=model.bytes_per_element)
+        for d in args.dist:
+            r = simulate_one(m, setup["gpus"], args.experts_per_gpu, args.tokens_per_gpu, args.top_k, d, group)
+            r["published_both"] = setup["published_both"]
+            rows.append(r)
+    print("FasterMoE's published shadowing + schedule speedup beside the model's, per distribution:")
+    for r in rows:
+        print(f"  {r['gpus']:3d} GPUs {r['distribution']:>10s}: modelled {r['speedup']['both']:5.2f}x, "
+              f"published {r['published_both']:.2f}x")
+    for d in args.dist:
+        small, large = (r["speedup"]["both"] for r in rows if r["distribution"] == d)
+        print(f"  {d:>10s}: 16 -> 64 GPUs the modelled gain grows {large / small:.2f} times "
+              f"(published {PAPER[1]['published_both'] / PAPER[0]['published_both']:.2f})")
+    return rows
+
+
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
     p.add_argument("--gpus-per-node", type=int, default=8, help="the smart schedule's groups never exceed a node")
@@ -92,6 +201,10 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--group-size", type=int, default=4, help="ranks per step of the smart schedule")
     p.add_argument("--dist", nargs="+", default=["uniform", "zipf:1.2", "hot:0.5"])
     p.add_argument("--out", default="runs/simulate", help="folder for simulate.json and simulate.png")
+    p.add_argument("--calibrate", action="store_true", help="measure --flops and --net-bw on this machine first")
+    p.add_argument("--compare", metavar="BENCH_JSON",
+                   help="predict a bench_shadow --out run's step times: R^2, compare.json, compare.png")
+    p.add_argument("--paper", action="store_true", help="also FasterMoE's 16- and 64-GPU clusters beside its figures")
 
 
 def run(args) -> List[dict]:
@@ -100,6 +213,14 @@ def run(args) -> List[dict]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(g < 1 for g in args.gpus):
         raise ValueError(f"--gpus must be positive, got {args.gpus}")
+    if args.calibrate:
+        args.flops, args.net_bw = calibrate_here(args.d_model, args.d_hidden)
+        print(f"calibrated here: {args.flops / 1e9:.1f} GFLOP/s, {args.net_bw / 1e9:.3f} GB/s")
+    if args.compare:
+        bench = json.loads(Path(args.compare).read_text())
+        flops, net_bw = (args.flops, args.net_bw) if args.calibrate else \
+            (bench["model"]["flops"], bench["model"]["net_bandwidth"])
+        compare(Path(args.compare), flops, net_bw, Path(args.out))
     model = PerfModel(args.d_model, args.d_hidden, flops=args.flops, net_bandwidth=args.net_bw,
                       bytes_per_element=args.bytes_per_element)
     group = min(args.group_size, args.gpus_per_node)
@@ -112,9 +233,11 @@ def run(args) -> List[dict]:
         t, s = r["seconds"], r["speedup"]
         print(f"{r['distribution']:>10s}{r['gpus']:>6d}" + "".join(f"{t[k] * 1e3:10.2f}" for k in STRATEGIES)
               + f"{s['shadow']:10.2f}{s['schedule']:9.2f}{s['both']:8.2f}")
+    paper = paper_rows(args, model, min(args.group_size, 8)) if args.paper else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "simulate.json").write_text(json.dumps({"config": vars(args), "results": rows}, indent=2) + "\n")
+    (out / "simulate.json").write_text(json.dumps({"config": vars(args), "results": rows, "paper": paper},
+                                                  indent=2) + "\n")
     plot(rows, args.dist, out / "simulate.png")
     print(f"wrote {out / 'simulate.json'} and {out / 'simulate.png'}")
     return rows

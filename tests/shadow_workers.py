@@ -1,6 +1,7 @@
 """Worker bodies for FasterMoE shadowing and scheduling: on and off must give the same numbers."""
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import fmoe
 from fmoe.distributed.shadow import ShadowPolicy
@@ -12,8 +13,8 @@ D, H = 8, 16
 class FixedShadow(ShadowPolicy):
     """Shadows the given experts every step, whatever the model says."""
 
-    def __init__(self, experts):
-        super().__init__(PerfModel(D, H))
+    def __init__(self, experts, overlap=True):
+        super().__init__(PerfModel(D, H), overlap=overlap)
         self.experts = experts
 
     def choose(self, counts_E, world_size, group=None):
@@ -21,9 +22,25 @@ class FixedShadow(ShadowPolicy):
         return list(self.experts)
 
 
-def build(world, e, top_k, hot, **kw):
+class TinyExpert(nn.Module):
+    """A user expert class (FastMoE's `expert=`): a LayerNorm'd two-layer MLP."""
+
+    def __init__(self, d_model):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.fc1, self.fc2 = nn.Linear(d_model, H), nn.Linear(H, d_model)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+def build(world, e, top_k, hot, expert=None, activation="gelu", **kw):
     torch.manual_seed(0)
-    layer = fmoe.FMoETransformerMLP(num_expert=e, d_model=D, d_hidden=H, top_k=top_k, world_size=world, **kw)
+    if expert is not None:
+        layer = fmoe.FMoE(num_expert=e, d_model=D, top_k=top_k, world_size=world, expert=expert, **kw)
+    else:
+        layer = fmoe.FMoETransformerMLP(num_expert=e, d_model=D, d_hidden=H, top_k=top_k, world_size=world,
+                                        activation=activation, **kw)
     with torch.no_grad():
         bias = torch.zeros(e * world)
         bias[hot] = 3.0
@@ -31,13 +48,13 @@ def build(world, e, top_k, hot, **kw):
     return layer
 
 
-def compare_variants(rank, world, top_k, hot, make_variant):
-    """The plain expert-parallel layer against `make_variant(...)`: outputs, all gradients, and
-    parameters after one SGD step."""
+def compare_variants(rank, world, top_k, hot, make_variant, make_plain=build, exact=False):
+    """The plain expert-parallel layer (`make_plain`) against `make_variant(...)`: outputs, all
+    gradients, and parameters after one SGD step; `exact`: bitwise."""
     e = 2
     results = []
     for variant in (False, True):
-        layer = make_variant(world, e, top_k, hot) if variant else build(world, e, top_k, hot)
+        layer = (make_variant if variant else make_plain)(world, e, top_k, hot)
         # Rank r's experts start from the same weights in both variants.
         torch.manual_seed(10 + rank)
         with torch.no_grad():
@@ -54,6 +71,11 @@ def compare_variants(rank, world, top_k, hot, make_variant):
         results.append((out.detach(), x.grad, grads, params, layer))
     (out0, dx0, g0, p0, _), (out1, dx1, g1, p1, layer1) = results
     ctx = f"rank {rank}/{world} top{top_k} hot{hot}"
+    if exact:
+        assert torch.equal(out1, out0) and torch.equal(dx1, dx0), ctx
+        assert g0.keys() == g1.keys() and all(torch.equal(g1[n], g0[n]) for n in g0), ctx
+        assert all(torch.equal(p1[n], p0[n]) for n in p0), ctx
+        return layer1
     torch.testing.assert_close(out1, out0, atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} out: {m}")
     torch.testing.assert_close(dx1, dx0, atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} dx: {m}")
     assert g0.keys() == g1.keys(), (ctx, g0.keys(), g1.keys())
@@ -98,3 +120,58 @@ def check_schedule_equals_plain(rank, world):
                 return build(w, e, k, h, schedule=True, schedule_group_size=group_size,
                              shadow=FixedShadow(h) if shadow else False)
             compare_variants(rank, world, top_k, hot, make)
+
+
+def check_overlap_is_bitwise_blocking(rank, world):
+    """Overlapped pulls and pushes give exactly the numbers of blocking ones."""
+    E = 2 * world
+    for top_k, hot, kw in ((1, [0], {}), (2, [0, E - 1], {"expert": TinyExpert}),
+                           (2, [0, E - 1], {"schedule": True, "schedule_group_size": 1})):
+        compare_variants(rank, world, top_k, hot,
+                         lambda w, e, k, h: build(w, e, k, h, shadow=FixedShadow(h, overlap=True), **kw),
+                         lambda w, e, k, h: build(w, e, k, h, shadow=FixedShadow(h, overlap=False), **kw),
+                         exact=True)
+
+
+def check_any_expert_shadowing_equals_plain(rank, world):
+    """User expert classes and gated (swiglu) experts, with and without the smart schedule."""
+    E = 2 * world
+    for top_k, hot, kw in ((1, [0], {"expert": TinyExpert}), (2, [1, E - 1], {"activation": "swiglu"}),
+                           (2, [1, E - 1], {"expert": TinyExpert, "schedule": True, "schedule_group_size": 1}),
+                           (1, [0], {"activation": "swiglu", "schedule": True, "schedule_group_size": 2})):
+        compare_variants(rank, world, top_k, hot,
+                         lambda w, e, k, h: build(w, e, k, h, shadow=FixedShadow(h), **kw),
+                         lambda w, e, k, h: build(w, e, k, h, shadow=False, **kw))
+
+
+def check_deepspeed_shadowing_equals_off(rank, world):
+    """DeepSpeed ZeRO 0 and 2 (ep = world): two steps with shadowing equal two without, in outputs,
+    gradients (ZeRO 0) and parameters."""
+    import deepspeed
+    import fmoe.deepspeed as fds
+    groups = fds.setup_expert_parallel(world)
+    hot = [0, 2 * world - 1]
+    for stage in (0, 2):
+        runs = []
+        for shadow in (False, FixedShadow(hot)):
+            layer = build(world, 2, 2, hot, shadow=shadow, moe_group=groups.moe_group)
+            fds.mark_expert_params(layer)
+            params = fds.moe_param_groups(layer)
+            engine, *_ = deepspeed.initialize(
+                model=layer, model_parameters=params, optimizer=torch.optim.Adam(params, lr=1e-2),
+                config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+                        "steps_per_print": 10 ** 6})
+            g = torch.Generator().manual_seed(rank)
+            outs, grads = [], []
+            for _ in range(2):
+                x = torch.randn(10, D, generator=g)
+                out = engine(x)
+                engine.backward((out * torch.randn(out.shape, generator=g)).sum())
+                if stage == 0:
+                    grads.append([p.grad.clone() for p in layer.parameters()])
+                engine.step()
+                outs.append(out.detach())
+            runs.append((outs, grads, [p.detach().clone() for p in layer.parameters()]))
+        (o0, g0, p0), (o1, g1, p1) = runs
+        for a, b in zip(o0 + sum(g0, []) + p0, o1 + sum(g1, []) + p1):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m: f"stage {stage} rank {rank}: {m}")

@@ -38,6 +38,15 @@ def test_shadowing_equals_plain_expert_parallelism(world):
     run_ranks(shadow_workers.check_shadowing_equals_plain, world)
 
 
+def test_overlapped_pull_and_push_are_bitwise_blocking():
+    run_ranks(shadow_workers.check_overlap_is_bitwise_blocking, 2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_user_and_gated_experts_shadow_with_and_without_schedule(world):
+    run_ranks(shadow_workers.check_any_expert_shadowing_equals_plain, world)
+
+
 def test_real_policy_shadows_the_hot_expert():
     run_ranks(shadow_workers.check_policy_shadows_a_hot_expert, 2)
 
@@ -73,3 +82,33 @@ def test_simulate_writes_table_json_and_plot(tmp_path, capsys):
     assert "hot:0.5" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--dist"):
         simulate.expert_shares("zipf:-1", 8)
+
+
+def test_simulate_compares_with_a_bench_run_and_sets_paper_clusters(tmp_path, capsys):
+    import json
+    from fmoe import simulate
+    model = PerfModel(32, 64, flops=1e9, net_bandwidth=1e8)
+    counts = {"uniform": [[8, 8, 8, 8], [8, 8, 8, 8]], "hot": [[20, 4, 4, 4], [20, 4, 4, 4]]}
+    results = {}
+    for case, c in counts.items():
+        c_WE = torch.tensor(c)
+        results[case] = {"counts_WE": c, "off_s": model.layer_time(c_WE),
+                         "dynamic_s": model.layer_time(c_WE, model.choose_shadowed(c_WE)),
+                         "forced_s": model.layer_time(c_WE, [0])}
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"config": {"d_model": 32, "d_hidden": 64}, "results": results,
+                                 "model": {"flops": 1e9, "net_bandwidth": 1e8}}))
+    simulate.main(["--gpus", "16", "--dist", "zipf:1.2", "--compare", str(bench), "--paper", "--out", str(tmp_path)])
+    compared = json.loads((tmp_path / "compare.json").read_text())
+    assert compared["r_squared"] == pytest.approx(1.0) and len(compared["points"]) == 6
+    assert (tmp_path / "compare.png").stat().st_size > 1000
+    paper = json.loads((tmp_path / "simulate.json").read_text())["paper"]
+    assert [r["gpus"] for r in paper] == [16, 64]
+    assert paper[1]["speedup"]["both"] > paper[0]["speedup"]["both"] > 1      # the gain grows with the cluster
+    assert "R^2 = 1.000" in capsys.readouterr().out
+
+
+def test_shadowing_inside_deepspeed_equals_off():
+    pytest.importorskip("deepspeed")
+    from tests.test_deepspeed import run_deepspeed_ranks
+    run_deepspeed_ranks(shadow_workers.check_deepspeed_shadowing_equals_off, 2)

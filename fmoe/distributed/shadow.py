@@ -4,12 +4,25 @@ The owner rank of an expert is its server. When the policy judges experts hot, e
 *pulls* their parameters (a broadcast from the owner), computes its own rows for them at home,
 and in the backward *pushes* the gradients back (a reduction to the owner), whose optimizer
 then applies them as if the rows had travelled. Outputs and gradients equal the unshadowed layer.
+
+Each owner sends its shadowed experts as one flat buffer (one collective per owner, not per
+tensor). With `overlap` the pull is started before the token dispatch and waited for only when
+the shadowed rows are computed, and the push is started as soon as the shadowed rows' backward
+is done and waited for at the end of the layer's backward: the autograd engine runs ready nodes
+newest first, so a node recorded before the dispatch runs after the rest of the layer's backward.
+Blocking (`overlap=False`) sends the same buffers and waits at once: the numbers are identical.
+
+Any expert module shadows: a module list (`ModuleListExperts`: expert i is `experts.experts[i]`)
+or stacked experts (every parameter [num_expert, ...], expert i its slice i, e.g. GroupedExperts
+with any activation). A remote expert with local index i has the shapes of this rank's expert i.
 """
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
 
 from fmoe.env import env_flag
 from fmoe.perfmodel import PerfModel
@@ -30,75 +43,184 @@ class ShadowPlan:
 
 
 class ShadowPolicy:
-    """Chooses the experts to shadow each step from every rank's per-expert counts (same on all ranks)."""
+    """Chooses the experts to shadow each step from every rank's per-expert counts (same on all ranks).
 
-    def __init__(self, model: PerfModel):
+    One all-gather of the counts (they stay on their device); the model's choice is vectorised
+    and only the chosen ids reach the host. `overlap=False` makes pulls and pushes blocking.
+    """
+
+    def __init__(self, model: PerfModel, overlap: bool = True):
         self.model = model
+        self.overlap = overlap
 
     def gather_counts(self, counts_E: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
         """counts_WE: rows each rank routes to each expert."""
         everyone = [torch.empty_like(counts_E) for _ in range(world_size)]
         dist.all_gather(everyone, counts_E.contiguous(), group=group)
-        return torch.stack(everyone).cpu()
+        return torch.stack(everyone)
 
     def choose(self, counts_E: torch.Tensor, world_size: int, group=None) -> List[int]:
         return self.model.choose_shadowed(self.gather_counts(counts_E, world_size, group))
 
 
-class PullExpert(torch.autograd.Function):
-    """Forward: the owner broadcasts expert `local_index` of its stacked parameter (pull).
-    Backward: the gradients of all ranks are summed onto the owner's slice (push)."""
+# ---- which tensors are expert i, and how to run experts with pulled ones ----
 
-    @staticmethod
-    def forward(ctx, param_eXY, local_index: int, owner: int, group):
-        ctx.local_index, ctx.owner, ctx.group = local_index, owner, group
-        ctx.is_owner = dist.get_rank(group) == owner
-        ctx.param_shape = param_eXY.shape
-        if ctx.is_owner:
-            buf = param_eXY[local_index].detach().clone()
-        else:
-            buf = param_eXY.new_empty(param_eXY.shape[1:])
-        dist.broadcast(buf, src=_global_rank(group, owner), group=group)
-        return buf
-
-    @staticmethod
-    def backward(ctx, grad_XY):
-        grad_XY = grad_XY.contiguous().clone()
-        dist.reduce(grad_XY, dst=_global_rank(ctx.group, ctx.owner), group=ctx.group)
-        if not ctx.is_owner:
-            return None, None, None, None
-        grad_eXY = grad_XY.new_zeros(ctx.param_shape)
-        grad_eXY[ctx.local_index] = grad_XY
-        return grad_eXY, None, None, None
+def is_module_list(experts: nn.Module, num_expert: int) -> bool:
+    inner = getattr(experts, "experts", None)
+    return isinstance(inner, nn.ModuleList) and len(inner) == num_expert
 
 
-def _global_rank(group, rank: int) -> int:
+def check_shadowable(experts: nn.Module, num_expert: int):
+    """Shadowing needs expert i's parameters: a module list of num_expert experts, or stacked parameters."""
+    if is_module_list(experts, num_expert):
+        return
+    bad = [n for n, p in experts.named_parameters() if p.dim() == 0 or p.shape[0] != num_expert]
+    if bad or not list(experts.parameters()):
+        raise ValueError(
+            f"shadow: the experts ({type(experts).__name__}) must be a module list of num_expert={num_expert} "
+            f"experts (`.experts`) or have every parameter stacked [num_expert, ...]; not stacked: {bad}")
+
+
+def expert_tensors(experts: nn.Module, num_expert: int, local: int) -> Dict[str, torch.Tensor]:
+    """Expert `local`'s parameters on this rank, by name (slices of stacked parameters)."""
+    if is_module_list(experts, num_expert):
+        return dict(experts.experts[local].named_parameters())
+    return {n: p[local] for n, p in experts.named_parameters()}
+
+
+def run_with(experts: nn.Module, num_expert: int, x_SD: torch.Tensor, counts_S: torch.Tensor,
+             locals_S: List[int], tensors_S: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
+    """The experts' forward on rows grouped by shadowed expert, with the given (pulled) tensors."""
+    if is_module_list(experts, num_expert):
+        chunks = torch.split(x_SD, counts_S.tolist())
+        outs = [functional_call(experts.experts[i], tensors, (chunk,))
+                for i, tensors, chunk in zip(locals_S, tensors_S, chunks)]
+        return torch.cat(outs)
+    stacked = {n: torch.stack([t[n] for t in tensors_S]) for n in tensors_S[0]}
+    return functional_call(experts, stacked, (x_SD, counts_S))
+
+
+# ---- pull and push ----
+
+class _Link:
+    """What the pull's two autograd nodes share: the owners, their buffers and works in flight."""
+
+    def __init__(self, group, overlap: bool):
+        self.group, self.overlap = group, overlap
+        self.owners: List[int] = []
+        self.buffers: List[torch.Tensor] = []
+        self.works: list = []
+        self.grads: List[torch.Tensor] = []
+        self.owned_sizes: List[int] = []        # numel of each tensor this rank owns, in buffer order
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        self.works = []
+
+
+def _global(group, rank: int) -> int:
     return dist.get_global_rank(group, rank) if group is not None else rank
 
 
-def pull_experts(experts, experts_S: List[int], num_expert: int, group=None) -> dict:
-    """The shadowed experts' parameters, stacked in `experts_S` order, differentiable back to the owners."""
-    pulled = {}
-    for name, param in experts.named_parameters():
-        pulled[name] = torch.stack([PullExpert.apply(param, e % num_expert, e // num_expert, group)
-                                    for e in experts_S])
-    return pulled
+class _PushDone(torch.autograd.Function):
+    """Recorded before the dispatch, so its backward runs after the rest of the layer's: waits for
+    the gradient reduction and hands the owner its experts' gradients."""
+
+    @staticmethod
+    def forward(ctx, link: _Link, *owned):
+        ctx.link = link
+        ctx.shapes = [t.shape for t in owned]
+        ctx.owns = bool(link.owned_sizes)
+        return owned[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        link = ctx.link
+        link.wait()
+        if not ctx.owns:
+            return (None, None)
+        mine = link.grads[link.owners.index(dist.get_rank(link.group))]
+        grads = [g.view(s) for g, s in zip(mine.split(link.owned_sizes), ctx.shapes)]
+        return (None, *grads)
 
 
-def shadowed_experts_forward(experts, x_SD: torch.Tensor, plan: ShadowPlan, num_expert: int,
-                             group=None) -> torch.Tensor:
-    """This rank's rows for the shadowed experts, computed at home with pulled parameters."""
-    weights = pull_experts(experts, plan.experts_S, num_expert, group)
-    return experts.run(x_SD, plan.counts_S, **weights)
+class _PullDone(torch.autograd.Function):
+    """Waits for the broadcasts and returns the pulled buffers; its backward starts the reduction."""
+
+    @staticmethod
+    def forward(ctx, link: _Link, token):
+        ctx.link = link
+        link.wait()
+        return tuple(link.buffers)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        link = ctx.link
+        link.grads = [g.contiguous().clone() for g in grads]
+        link.works = [dist.reduce(g, dst=_global(link.group, o), group=link.group, async_op=True)
+                      for g, o in zip(link.grads, link.owners)]
+        if not link.overlap:
+            link.wait()
+        return None, grads[0].new_empty(0)
 
 
-def make_shadow_policy(shadow, d_model: int, d_hidden: Optional[int], world_size: int) -> Optional[ShadowPolicy]:
+class ShadowPull:
+    """The shadowed experts' parameters, pulled from their owners; differentiable back to them."""
+
+    def __init__(self, experts: nn.Module, plan: ShadowPlan, num_expert: int, group=None, overlap: bool = True):
+        self.experts, self.plan, self.num_expert = experts, plan, num_expert
+        self.locals_S = [e % num_expert for e in plan.experts_S]
+        owner_S = [e // num_expert for e in plan.experts_S]
+        me = dist.get_rank(group)
+        self.link = link = _Link(group, overlap)
+        link.owners = sorted(set(owner_S))
+        templates = [expert_tensors(experts, num_expert, i) for i in self.locals_S]
+        self.names = list(templates[0]) if templates else []
+        owned = []
+        for owner in link.owners:
+            mine = [(s, t) for s, (o, t) in enumerate(zip(owner_S, templates)) if o == owner]
+            size = sum(v.numel() for _, t in mine for v in t.values())
+            if owner == me:
+                owned = [v for _, t in mine for v in t.values()]
+                link.owned_sizes = [v.numel() for v in owned]
+                with torch.no_grad():
+                    buf = torch.cat([v.reshape(-1) for v in owned])
+            else:
+                buf = templates[0][self.names[0]].new_empty(size)
+            link.buffers.append(buf)
+        self.slots = [[s for s, o in enumerate(owner_S) if o == owner] for owner in link.owners]
+        self.templates = templates
+        link.works = [dist.broadcast(b, src=_global(group, o), group=group, async_op=True)
+                      for b, o in zip(link.buffers, link.owners)]
+        if not overlap:
+            link.wait()
+        # Non-owners pass one of their own parameters so the node (and so the push) is recorded everywhere.
+        self.token = _PushDone.apply(link, *(owned or [next(experts.parameters())]))
+
+    def forward(self, x_SD: torch.Tensor) -> torch.Tensor:
+        """This rank's rows for the shadowed experts, computed at home with the pulled parameters."""
+        buffers = _PullDone.apply(self.link, self.token)
+        tensors_S: List[Optional[Dict[str, torch.Tensor]]] = [None] * len(self.locals_S)
+        for buf, slots in zip(buffers, self.slots):
+            pieces = iter(buf.split([v.numel() for s in slots for v in self.templates[s].values()]))
+            for s in slots:
+                tensors_S[s] = {n: next(pieces).view(v.shape) for n, v in self.templates[s].items()}
+        return run_with(self.experts, self.num_expert, x_SD, self.plan.counts_S, self.locals_S, tensors_S)
+
+
+def make_shadow_policy(shadow, d_model: int, experts: nn.Module, num_expert: int,
+                       world_size: int) -> Optional[ShadowPolicy]:
     """`shadow`: None (FMOE_FASTER_SHADOW_ENABLE decides), a bool, or a ShadowPolicy."""
-    if isinstance(shadow, ShadowPolicy):
-        return shadow
-    enabled = shadow_enabled_by_env() if shadow is None else bool(shadow)
+    if shadow is not None and not isinstance(shadow, (bool, ShadowPolicy)):
+        raise ValueError(f"shadow must be None, a bool or a ShadowPolicy, got {shadow!r}")
+    enabled = shadow_enabled_by_env() if shadow is None else shadow is not False
     if not enabled or world_size == 1:
         return None
-    if d_hidden is None:
-        raise ValueError("shadow=True needs stacked MLP experts (d_hidden=...), not a user expert class")
+    check_shadowable(experts, num_expert)
+    if isinstance(shadow, ShadowPolicy):
+        return shadow
+    # The model's alpha * H^2 per expert: two d_model x d_hidden matrices hold 2 * alpha * H^2 parameters.
+    params_per_expert = sum(p.numel() for p in experts.parameters()) / num_expert
+    d_hidden = max(1, round(params_per_expert / (2 * d_model)))
     return ShadowPolicy(PerfModel.from_env(d_model, d_hidden))
