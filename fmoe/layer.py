@@ -4,11 +4,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fmoe import kernels
 from fmoe.distributed import exchange
 from fmoe.distributed.check import check_expert_parallel_config
 from fmoe.distributed.schedule import group_size_from_env, schedule_enabled_by_env, scheduled_experts
+from fmoe.distributed.slicing import gather_rows, slice_rows
 from fmoe.distributed.shadow import make_shadow_policy, shadowed_experts_forward
 from fmoe.experts import GroupedExperts, ModuleListExperts
 from fmoe.gates import NaiveGate, make_gate
@@ -35,27 +37,35 @@ def check_world(world_size, moe_group) -> int:
 class FMoE(nn.Module):
     """A Mixture-of-Experts layer with FastMoE's constructor.
 
-    `num_expert` experts live on each of `world_size` ranks. Experts are either `expert` (a
-    module class, instantiated per expert as `expert(d_model)`, or a list of classes) or, with
-    `d_hidden`, stacked MLP experts that run as grouped GEMMs. `shadow` (True, a ShadowPolicy, or
+    `num_expert` experts (default 32) live on each of `world_size` ranks. Experts are either
+    `expert` (a module class, instantiated per expert as `expert(d_model)`, or a list of classes,
+    whose length is then `num_expert`), with `d_hidden`, stacked MLP experts that run as grouped
+    GEMMs, or, as in FastMoE's fused pattern, a module assigned to `self.experts` after
+    construction and called as `experts(x, fwd_expert_count)`. `expert_fn(x, fwd_expert_count)`
+    is the seam around the local experts; a subclass may override it.
+    `shadow` (True, a ShadowPolicy, or
     FMOE_FASTER_SHADOW_ENABLE=1) turns on FasterMoE's shadowing of hot experts, `schedule` (or
     FMOE_FASTER_SCHEDULE_ENABLE=1) its pipelined exchange in groups of `schedule_group_size`
-    ranks (FMOE_FASTER_GROUP_SIZE). Input of any shape
-    [..., d_model]; output the same shape. After every forward the layer holds `aux_loss`,
-    `num_dropped` and `last_counts_E` (rows each expert received).
+    ranks (FMOE_FASTER_GROUP_SIZE). Input: a tensor [..., d_model], or (FastMoE's multi-input
+    experts) any tree of tensors sharing the leading dims, which the gate and experts then
+    receive whole. Output: the same structure. `slice_group` (FastMoE's `mp_group`): the ranks
+    of that group hold the same input; each routes one slice of the tokens and the outputs are
+    gathered. `mask` / `mask_dict`: tokens whose mask is 0 are routed; a token with mask k gets
+    `mask_dict[k]` from each of its top-k slots instead. After every forward the layer holds
+    `aux_loss`, `num_dropped` and `last_counts_E` (rows each expert received).
     """
 
-    def __init__(self, num_expert=32, d_model=1024, world_size=1, moe_group=None, top_k=2, gate=NaiveGate,
-                 expert=None, gate_hook=None, gate_bias=True, d_hidden=None, activation="gelu",
-                 expert_bias=True, gate_kwargs=None, backend: Optional[str] = None, shadow=None,
-                 schedule=None, schedule_group_size=None):
+    def __init__(self, num_expert=None, d_model=1024, world_size=1, mp_group=None, slice_group=None,
+                 moe_group=None, top_k=2, gate=NaiveGate, expert=None, gate_hook=None, mask=None, mask_dict=None,
+                 gate_bias=True, d_hidden=None, activation="gelu", expert_bias=True, gate_kwargs=None,
+                 backend: Optional[str] = None, shadow=None, schedule=None, schedule_group_size=None):
         super().__init__()
         if not isinstance(d_model, int) or d_model < 1:
             raise ValueError(f"d_model must be a positive int, got {d_model!r}")
-        if not isinstance(num_expert, int) or num_expert < 1:
-            raise ValueError(f"num_expert must be a positive int (experts per rank), got {num_expert!r}")
+        num_expert = resolve_num_expert(num_expert, expert)
         self.world_size = check_world(world_size, moe_group)
         self.moe_group = moe_group
+        self.slice_group = resolve_slice_group(mp_group, slice_group)
         self.num_expert = num_expert
         self.d_model = d_model
         self.tot_expert = num_expert * self.world_size
@@ -76,8 +86,8 @@ class FMoE(nn.Module):
         elif d_hidden is not None:
             self.experts = GroupedExperts(num_expert, d_model, d_hidden, activation, bias=expert_bias, backend=backend)
         else:
-            raise ValueError("FMoE needs its experts: pass expert= (a module class) or d_hidden= (stacked MLP experts)")
-        mark_expert_parameters(self.experts)
+            self.experts = None     # FastMoE's fused pattern: the subclass assigns self.experts
+        self.mask, self.mask_dict = check_mask(mask, mask_dict)
         self.schedule = schedule_enabled_by_env() if schedule is None else bool(schedule)
         self.schedule_group_size = schedule_group_size or group_size_from_env()
         if not isinstance(self.schedule_group_size, int) or self.schedule_group_size < 1:
@@ -90,47 +100,113 @@ class FMoE(nn.Module):
         self.last_num_dropped = None
         self.checked_with_peers = False
 
+    def __setattr__(self, name, value):
+        if name == "experts" and isinstance(value, nn.Module):
+            mark_expert_parameters(value)       # also for experts assigned after construction
+        super().__setattr__(name, value)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # FastMoE's gates keep the router as an nn.Linear at `gate.gate`; fmoe's at `gate.gate.proj`.
+        own = self.gate.state_dict().keys()
+        for name in ("weight", "bias"):
+            fastmoe_key = f"{prefix}gate.gate.{name}"
+            if fastmoe_key in state_dict and f"gate.{name}" not in own and f"gate.proj.{name}" in own:
+                state_dict[f"{prefix}gate.gate.proj.{name}"] = state_dict.pop(fastmoe_key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     @property
     def moe_rank(self) -> int:
         """This rank's place in the expert-parallel group: it holds experts
         [moe_rank * num_expert, (moe_rank + 1) * num_expert)."""
         return dist.get_rank(self.moe_group) if self.world_size > 1 else 0
 
-    def check_input(self, x):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-        if x.dim() < 1 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have last dimension d_model={self.d_model}, got shape {tuple(x.shape)}")
+    def mark_parallel_comm(self, expert_dp_comm="none"):
+        """FastMoE's data-parallel tags: experts reduced over `expert_dp_comm`, the gate over "gate"."""
+        for p in self.experts.parameters():
+            p.dp_comm = expert_dp_comm
+        for p in self.gate.parameters():
+            p.dp_comm = "gate"
 
-    def forward(self, x):
-        self.check_input(x)
+    def leaves_of(self, moe_inp):
+        """The input's tensors, checked: floating point, sharing the leading dims; (leaves, spec, lead)."""
+        leaves, spec = tree_flatten(moe_inp)
+        if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+            raise TypeError(f"x must be a torch.Tensor or a tree of them, got {type(moe_inp).__name__}")
+        lead = leaves[0].shape[:-1]
+        for t in leaves:
+            if not t.is_floating_point():
+                raise TypeError(f"x must be floating point, got dtype {t.dtype}")
+            if t.dim() < 1 or t.shape[:-1] != lead:
+                raise ValueError(f"every input tensor must share the leading dims {tuple(lead)}, got {tuple(t.shape)}")
+        if isinstance(moe_inp, torch.Tensor) and moe_inp.shape[-1] != self.d_model:
+            raise ValueError(f"x must have last dimension d_model={self.d_model}, got shape {tuple(moe_inp.shape)}")
+        return leaves, spec, lead
+
+    def forward(self, moe_inp):
+        if self.experts is None:
+            raise RuntimeError("FMoE was built without experts: pass expert= or d_hidden=, or assign self.experts")
+        leaves, spec, lead = self.leaves_of(moe_inp)
         if self.world_size > 1 and not self.checked_with_peers:
             check_expert_parallel_config(self)
             self.checked_with_peers = True
-        x_TD = x.reshape(-1, self.d_model)
-        routing = self.gate.routing(x_TD)
+        x_TD = [t.reshape(-1, t.shape[-1]) for t in leaves]
+        if self.slice_group is not None:
+            x_TD = [slice_rows(t, self.slice_group) for t in x_TD]
+        inp = x_TD[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_TD, spec)
+        routing = self.gate.routing(inp)
         if self.gate_hook is not None:
             self.gate_hook(routing.expert_idx_TK, routing.weight_TK, None)
-        plan = RoutingPlan.build(routing.expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
+        expert_idx_TK = routing.expert_idx_TK
+        if self.mask_dict is not None:
+            expert_idx_TK = expert_idx_TK.masked_fill(self.token_mask(x_TD[0])[:, None] != 0, -1)
+        plan = RoutingPlan.build(expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
                                  self.shadow_policy)
-        x_ND = kernels.permute(x_TD, plan, self.backend)
-        y_ND = self.run_experts(x_ND, plan)
-        y_TD = kernels.unpermute(y_ND, plan, routing.weight_TK, self.backend)
+        x_ND = [kernels.permute(t, plan, self.backend) for t in x_TD]
+        y_ND = self.run_experts(x_ND[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_ND, spec), plan)
+        y_TD = [kernels.unpermute(t, plan, routing.weight_TK, self.backend) for t in tree_flatten(y_ND)[0]]
+        if self.mask_dict is not None:
+            y_TD = [self.add_masked(t, x_TD[0], routing.weight_TK) for t in y_TD]
+        if self.slice_group is not None:
+            y_TD = [gather_rows(t, self.slice_group) for t in y_TD]
         self.record(routing, plan)
-        return y_TD.reshape(x.shape)
+        out = [t.reshape(*lead, t.shape[-1]) for t in y_TD]
+        return out[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(out, tree_flatten(y_ND)[1])
+
+    def token_mask(self, x_TD):
+        mask_T = self.mask.reshape(-1).to(x_TD.device)
+        if mask_T.shape[0] != x_TD.shape[0]:
+            raise ValueError(f"mask has {mask_T.shape[0]} entries, the input {x_TD.shape[0]} tokens")
+        return mask_T
+
+    def add_masked(self, y_TD, x_TD, weight_TK):
+        """Masked tokens: each of their top-k slots yields mask_dict[k], weighted like an expert's output."""
+        mask_T = self.token_mask(x_TD)
+        weight_T1 = weight_TK.sum(-1, keepdim=True).to(y_TD.dtype)
+        for k, value in self.mask_dict.items():
+            picked_T1 = (mask_T == k)[:, None].to(y_TD.dtype)
+            y_TD = y_TD + picked_T1 * weight_T1 * value.to(y_TD)
+        return y_TD
+
+    def expert_fn(self, x_RD, fwd_expert_count):
+        """The local experts on rows in expert order; `fwd_expert_count` rows for each."""
+        return self.experts(x_RD, fwd_expert_count)
 
     def run_experts(self, x_ND, plan: RoutingPlan):
         """Rows in expert order -> expert outputs in the same order, wherever the experts live."""
         if plan.exchange is None:
-            return self.experts(x_ND, plan.counts_E)
+            return self.expert_fn(x_ND, plan.counts_E)
+        if not isinstance(x_ND, torch.Tensor) or type(self).expert_fn is not FMoE.expert_fn:
+            if self.schedule or self.shadow_policy is not None:
+                raise ValueError("shadow / schedule need a single input tensor and the default expert_fn")
+            return tree_map(lambda y: exchange.combine(y, plan),
+                            self.expert_fn(tree_map(lambda x: exchange.dispatch(x, plan), x_ND),
+                                           plan.local_counts_e))
         x_sent, x_home = x_ND.split([x_ND.shape[0] - plan.num_shadow_rows, plan.num_shadow_rows])
         if self.schedule:
             y_sent = scheduled_experts(self.experts, x_sent, plan.exchange, self.schedule_group_size)
         else:
             x_RD = exchange.dispatch(x_sent, plan)
-            y_RD = self.experts(x_RD, plan.local_counts_e)
+            y_RD = self.expert_fn(x_RD, plan.local_counts_e)
             y_sent = exchange.combine(y_RD, plan)
         if plan.shadow is None:
             return y_sent
@@ -146,6 +222,44 @@ class FMoE(nn.Module):
     def num_dropped(self) -> int:
         """Slots dropped by the capacity limit in the last forward."""
         return 0 if self.last_num_dropped is None else int(self.last_num_dropped)
+
+
+def resolve_num_expert(num_expert, expert) -> int:
+    """Experts per rank: FastMoE's `expert=[A, B, ...]` gives the count; otherwise 32 by default."""
+    if isinstance(expert, (list, tuple)):
+        if num_expert is not None and num_expert != len(expert):
+            raise ValueError(f"num_expert={num_expert} but expert lists {len(expert)} expert classes")
+        num_expert = len(expert)
+    num_expert = 32 if num_expert is None else num_expert
+    if not isinstance(num_expert, int) or num_expert < 1:
+        raise ValueError(f"num_expert must be a positive int (experts per rank), got {num_expert!r}")
+    return num_expert
+
+
+def resolve_slice_group(mp_group, slice_group):
+    """FastMoE's `mp_group` is the older name of `slice_group`; one group of size 1 is no slicing."""
+    if mp_group is not None and slice_group is not None and mp_group is not slice_group:
+        raise ValueError("pass slice_group or its old name mp_group, not both")
+    group = slice_group if slice_group is not None else mp_group
+    if group is None:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("slice_group needs torch.distributed initialised first")
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def check_mask(mask, mask_dict):
+    if (mask is None) != (mask_dict is None):
+        raise ValueError("mask and mask_dict go together: pass both (FastMoE ignores one alone) or neither")
+    if mask is None:
+        return None, None
+    if not isinstance(mask, torch.Tensor) or mask.is_floating_point():
+        raise TypeError(f"mask must be an integer tensor with one entry per token, got {mask!r}")
+    if not isinstance(mask_dict, dict) or not all(isinstance(v, torch.Tensor) for v in mask_dict.values()):
+        raise TypeError("mask_dict must map mask values to tensors (the output of a masked token)")
+    if 0 in mask_dict:
+        raise ValueError("mask_dict cannot hold 0: mask 0 marks the tokens that are routed")
+    return mask, mask_dict
 
 
 def mark_expert_parameters(module: nn.Module):

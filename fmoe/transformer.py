@@ -4,19 +4,80 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from fmoe.experts import resolve_activation
+from fmoe.experts import FMoELinear, GroupedExperts, resolve_activation
 from fmoe.layer import FMoE
 
 
+class _Expert(nn.Module):
+    """FastMoE's fused experts: two FMoELinear (`htoh4`, `h4toh`) around an activation, called
+    as `experts(x, fwd_expert_count)`; assign it to `FMoE.experts` (FastMoE's fused pattern)."""
+
+    def __init__(self, num_expert, d_model, d_hidden, activation, rank=0):
+        super().__init__()
+        self.htoh4 = FMoELinear(num_expert, d_model, d_hidden, bias=True, rank=rank)
+        self.h4toh = FMoELinear(num_expert, d_hidden, d_model, bias=True, rank=rank)
+        self.activation = activation
+
+    def forward(self, inp, fwd_expert_count):
+        return self.h4toh(self.activation(self.htoh4(inp, fwd_expert_count)), fwd_expert_count)
+
+
+class StackedLinearView(nn.Module):
+    """FastMoE's view of one stacked expert projection: `weight` [e, out, in] and `bias` [e, out]
+    are views of GroupedExperts' parameters, so FastMoE-style init code (`model.apply` over
+    modules named *Linear*, in-place `nn.init` on `m.weight`) reaches the experts. Holds no
+    parameter of its own: the state dict and the optimiser see only GroupedExperts'."""
+
+    def __init__(self, experts: GroupedExperts, weight_name: str, bias_name: str):
+        super().__init__()
+        object.__setattr__(self, "owner", experts)      # not a child module: no cycle in the tree
+        self.weight_name, self.bias_name = weight_name, bias_name
+
+    @property
+    def weight(self):
+        return getattr(self.owner, self.weight_name).transpose(1, 2)
+
+    @property
+    def bias(self):
+        return getattr(self.owner, self.bias_name)
+
+
 class FMoETransformerMLP(FMoE):
-    """An MoE layer shaped like a Transformer FFN: d_model -> d_hidden -> d_model per expert."""
+    """An MoE layer shaped like a Transformer FFN: d_model -> d_hidden -> d_model per expert.
+
+    Loads FastMoE's state dicts (`experts.<i>.htoh4.weight` [1, d_hidden, d_model], ...): the
+    per-expert FMoELinear weights are stacked into the grouped experts' layout.
+    """
 
     def __init__(self, num_expert=32, d_model=1024, d_hidden=4096, activation="gelu", expert_dp_comm="none",
                  expert_rank=0, **kwargs):
         super().__init__(num_expert=num_expert, d_model=d_model, d_hidden=d_hidden, activation=activation, **kwargs)
         self.expert_rank = expert_rank
-        for p in self.experts.parameters():
-            p.dp_comm = expert_dp_comm
+        self.experts.htoh4 = StackedLinearView(self.experts, "w1_eDF", "b1_eF")
+        self.experts.h4toh = StackedLinearView(self.experts, "w2_eFD", "b2_eD")
+        self.mark_parallel_comm(expert_dp_comm)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        stack_fastmoe_experts(state_dict, prefix + "experts.", self.num_expert)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+FASTMOE_EXPERT_KEYS = (("htoh4.weight", "w1_eDF"), ("htoh4.bias", "b1_eF"), ("h4toh.weight", "w2_eFD"),
+                       ("h4toh.bias", "b2_eD"))
+
+
+def stack_fastmoe_experts(state_dict, prefix: str, num_expert: int):
+    """FastMoE's `<prefix><i>.htoh4.weight` ([1, out, in] each) -> `<prefix>w1_eDF` ([e, in, out]), in place."""
+    if prefix + "0.htoh4.weight" not in state_dict:
+        return
+    for fastmoe_key, key in FASTMOE_EXPERT_KEYS:
+        names = [f"{prefix}{i}.{fastmoe_key}" for i in range(num_expert)]
+        missing = [n for n in names if n not in state_dict]
+        if missing:
+            raise KeyError(f"FastMoE checkpoint: {len(missing)} of {num_expert} experts lack {fastmoe_key} "
+                           f"(first: {missing[0]}); was it saved with another num_expert?")
+        stacked = torch.cat([state_dict.pop(n) for n in names])
+        state_dict[prefix + key] = stacked.transpose(1, 2) if key.startswith("w") else stacked
 
 
 class MoETransformerEncoderLayer(nn.TransformerEncoderLayer):
