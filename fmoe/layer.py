@@ -77,6 +77,8 @@ class FMoE(nn.Module):
         self.top_k = self.gate.top_k
         if hasattr(self.gate, "ep_rank"):
             self.gate.ep_rank = self.moe_rank       # the topology-aware gate needs to know its node
+        if hasattr(self.gate, "moe_group"):
+            self.gate.moe_group = moe_group         # gates that decide capacity over the group
         if self.gate.tot_expert != self.tot_expert:
             raise ValueError(f"gate routes to {self.gate.tot_expert} experts, the layer has {self.tot_expert}")
         if isinstance(expert, nn.Module):
