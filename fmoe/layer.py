@@ -13,6 +13,7 @@ from fmoe.distributed.schedule import group_size_from_env, schedule_enabled_by_e
 from fmoe.distributed.slicing import gather_rows, slice_rows
 from fmoe.distributed.shadow import make_shadow_policy, shadowed_experts_forward
 from fmoe.experts import GroupedExperts, ModuleListExperts
+from fmoe.fastmoe_state import rename_router, stack_experts
 from fmoe.gates import NaiveGate, make_gate
 from fmoe.routing import RoutingPlan
 
@@ -108,12 +109,9 @@ class FMoE(nn.Module):
         super().__setattr__(name, value)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # FastMoE's gates keep the router as an nn.Linear at `gate.gate`; fmoe's at `gate.gate.proj`.
-        own = self.gate.state_dict().keys()
-        for name in ("weight", "bias"):
-            fastmoe_key = f"{prefix}gate.gate.{name}"
-            if fastmoe_key in state_dict and f"gate.{name}" not in own and f"gate.proj.{name}" in own:
-                state_dict[f"{prefix}gate.gate.proj.{name}"] = state_dict.pop(fastmoe_key)
+        rename_router(state_dict, prefix, self.gate.state_dict().keys())
+        if isinstance(self.experts, GroupedExperts):
+            stack_experts(state_dict, prefix + "experts.", self.num_expert)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property

@@ -44,10 +44,8 @@ class StackedLinearView(nn.Module):
 
 class FMoETransformerMLP(FMoE):
     """An MoE layer shaped like a Transformer FFN: d_model -> d_hidden -> d_model per expert.
-
-    Loads FastMoE's state dicts (`experts.<i>.htoh4.weight` [1, d_hidden, d_model], ...): the
-    per-expert FMoELinear weights are stacked into the grouped experts' layout.
-    """
+    Its experts are stacked (GroupedExperts); `experts.htoh4` / `experts.h4toh` are FastMoE's
+    views of them, and FastMoE's state dicts load (see fmoe/fastmoe_state.py)."""
 
     def __init__(self, num_expert=32, d_model=1024, d_hidden=4096, activation="gelu", expert_dp_comm="none",
                  expert_rank=0, **kwargs):
@@ -56,28 +54,6 @@ class FMoETransformerMLP(FMoE):
         self.experts.htoh4 = StackedLinearView(self.experts, "w1_eDF", "b1_eF")
         self.experts.h4toh = StackedLinearView(self.experts, "w2_eFD", "b2_eD")
         self.mark_parallel_comm(expert_dp_comm)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        stack_fastmoe_experts(state_dict, prefix + "experts.", self.num_expert)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-
-FASTMOE_EXPERT_KEYS = (("htoh4.weight", "w1_eDF"), ("htoh4.bias", "b1_eF"), ("h4toh.weight", "w2_eFD"),
-                       ("h4toh.bias", "b2_eD"))
-
-
-def stack_fastmoe_experts(state_dict, prefix: str, num_expert: int):
-    """FastMoE's `<prefix><i>.htoh4.weight` ([1, out, in] each) -> `<prefix>w1_eDF` ([e, in, out]), in place."""
-    if prefix + "0.htoh4.weight" not in state_dict:
-        return
-    for fastmoe_key, key in FASTMOE_EXPERT_KEYS:
-        names = [f"{prefix}{i}.{fastmoe_key}" for i in range(num_expert)]
-        missing = [n for n in names if n not in state_dict]
-        if missing:
-            raise KeyError(f"FastMoE checkpoint: {len(missing)} of {num_expert} experts lack {fastmoe_key} "
-                           f"(first: {missing[0]}); was it saved with another num_expert?")
-        stacked = torch.cat([state_dict.pop(n) for n in names])
-        state_dict[prefix + key] = stacked.transpose(1, 2) if key.startswith("w") else stacked
 
 
 class MoETransformerEncoderLayer(nn.TransformerEncoderLayer):
