@@ -6,6 +6,7 @@ from fmoe.gates.faster import FasterGate
 from fmoe.gates.gshard import GShardGate
 from fmoe.gates.naive import NaiveGate
 from fmoe.gates.noisy import NoisyGate
+from fmoe.gates.router import PRESETS, RouterGate
 from fmoe.gates.swipe import SwipeGate
 from fmoe.gates.switch import SwitchGate
 from fmoe.gates.zero import ZeroGate
@@ -17,6 +18,7 @@ GATES = {
     "switch": SwitchGate,
     "balanced": BalancedGate,
     "faster": FasterGate,
+    "router": RouterGate,
     "zero": ZeroGate,
     "dc": DCGate,
     "swipe": SwipeGate,
@@ -36,4 +38,4 @@ def make_gate(gate, d_model: int, num_expert: int, world_size: int, top_k: int, 
 
 
 __all__ = ["BaseGate", "Routing", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate",
-           "FasterGate", "ZeroGate", "DCGate", "SwipeGate", "GATES", "make_gate"]
+           "FasterGate", "RouterGate", "PRESETS", "ZeroGate", "DCGate", "SwipeGate", "GATES", "make_gate"]

@@ -1,8 +1,16 @@
-"""What every gate shares: the `Routing` it returns, argument checks, capacity and z-loss."""
+"""What every gate shares: the `Routing` it returns, argument checks, capacity and z-loss.
+
+Numerics: the router projection and all routing math run in fp32, or in the input's precision
+when that is higher (float64 routes in float64), and a gate's own parameters and buffers stay
+at least fp32 when the model is cast to bf16 / fp16.
+"""
+import inspect
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fmoe.gates.capacity import drop_over_capacity, expert_capacity
@@ -14,15 +22,53 @@ CapacityArg = Optional[Union[float, Tuple[float, float]]]
 class Routing:
     """Which experts each token goes to and with what weight.
 
-    `expert_idx_TK` holds global expert ids; a slot dropped by a capacity limit holds -1 and
-    weight 0. `num_dropped` counts those slots (a 0-dim tensor, so reading it needs no sync
-    until the caller asks).
+    `expert_idx_TK` holds global expert ids; a slot that reaches no expert holds -1 and weight 0.
+    `num_dropped` counts all such slots (0-dim tensors, so reading them needs no sync until the
+    caller asks); `num_unrouted` is the part of them a gate chose not to route at all (GShard's
+    random routing of the second expert), as opposed to slots a capacity limit dropped.
     """
 
     expert_idx_TK: torch.Tensor
     weight_TK: torch.Tensor
     aux_loss: torch.Tensor
     num_dropped: torch.Tensor
+    num_unrouted: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.num_unrouted is None:
+            self.num_unrouted = torch.zeros_like(self.num_dropped)
+
+
+# Option checks shared by every gate: each names the argument and what was expected.
+
+def check_int(name: str, value, low: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def check_float(name: str, value, low: float = 0.0, high: float = math.inf, low_open: bool = False,
+                high_open: bool = False) -> float:
+    """A finite real number (not a bool) in [low, high] (ends open where asked)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
+        raise ValueError(f"{name} must be a finite number in {lo}{low}, {high}{hi}, got {value!r}")
+    return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
 
 
 def check_top_k(top_k, num_expert_total: int) -> int:
@@ -38,73 +84,152 @@ def check_capacity(capacity: CapacityArg) -> Optional[Tuple[float, float]]:
     if capacity is None:
         return None
     pair = tuple(capacity) if isinstance(capacity, Sequence) else (capacity, capacity)
-    if len(pair) != 2 or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in pair):
+    if len(pair) != 2 or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
+                                 and c > 0 for c in pair):
         raise ValueError(
-            "capacity must be a positive capacity factor or a (training, evaluation) pair of them, "
+            "capacity must be a finite positive capacity factor or a (training, evaluation) pair of them, "
             f"got {capacity!r}"
         )
     return float(pair[0]), float(pair[1])
 
 
+def routing_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """fp32, or the highest precision among `dtypes` when that is higher."""
+    dtype = torch.float32
+    for d in dtypes:
+        dtype = torch.promote_types(dtype, d)
+    return dtype
+
+
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     """Router z-loss (ST-MoE): mean squared log-partition of the router logits."""
+    logits_TE = logits_TE.to(routing_dtype(logits_TE.dtype))
     if logits_TE.shape[0] == 0:
         return logits_TE.sum() * 0.0
-    return torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+def keep_at_least_fp32(fn):
+    """Wrap a `Module._apply` function so floating tensors it would cast below fp32 keep their
+    dtype (moving device still applies): routing decisions are sensitive to rounding."""
+    def apply(t):
+        out = fn(t)
+        if t.is_floating_point() and out.is_floating_point() and out.dtype.itemsize < 4 <= t.dtype.itemsize:
+            return t.to(device=out.device)
+        return out
+    return apply
 
 
 class BaseGate(nn.Module):
-    """Base of all gates: `forward(x_TD) -> Routing`.
+    """Base of all gates.
 
-    Subclasses implement `route(x_TD) -> (expert_idx_TK, weight_TK, score_TK, logits_TE, aux)`
-    where `score_TK` ranks slots for capacity drops (higher is kept first). The base adds the
-    z-loss, applies the capacity and keeps FastMoE's `set_loss` / `get_loss` / `has_loss`.
+    fmoe calls `routing(x_TD) -> Routing`. `forward(x_TD)` returns FastMoE's
+    `(topk_idx, topk_val)` tuple. Two ways to write a gate:
+
+    - fmoe's: `BaseGate(d_model, num_expert, world_size, top_k, capacity, z_loss_coef)` and
+      implement `route(x_TD) -> (expert_idx_TK, weight_TK, score_TK, logits_TE, aux)`, where
+      `score_TK` ranks slots for capacity drops (higher is kept first). The base adds the
+      z-loss, applies the capacity and keeps the last logits in `last_logits_TE`.
+    - FastMoE's: `BaseGate(num_expert, world_size)` (two positional arguments), implement
+      `forward(inp) -> (topk_idx, topk_val)` and call `self.set_loss(...)`; `routing` wraps the
+      tuple (weights `topk_val`, aux loss `get_loss()` or 0, -1 slots counted as dropped).
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        num_expert: int,
-        world_size: int = 1,
-        top_k: int = 2,
-        capacity: CapacityArg = None,
-        z_loss_coef: float = 0.0,
-    ):
+    keeps_fp32 = False       # fmoe's own gates keep their parameters at least fp32
+    drop_by = "score"        # capacity keeps each expert's best slots; "order" keeps the first ones
+
+    def __init__(self, *args, **kwargs):
         super().__init__()
-        for name, value in (("d_model", d_model), ("num_expert", num_expert), ("world_size", world_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if z_loss_coef < 0:
-            raise ValueError(f"z_loss_coef must be >= 0, got {z_loss_coef!r}")
-        self.d_model = d_model
-        self.num_expert = num_expert
-        self.world_size = world_size
+        if len(args) == 2 and "d_model" not in kwargs or not args and "d_model" not in kwargs:
+            self._init_fastmoe(*args, **kwargs)
+        else:
+            self._init_fmoe(*args, **kwargs)
+        self.loss = None
+        self.last_logits_TE = None
+
+    def _init_fastmoe(self, num_expert: int, world_size: int = 1):
+        self.d_model = None
+        self.num_expert = check_int("num_expert", num_expert)
+        self.world_size = check_int("world_size", world_size)
+        self.tot_expert = self.num_expert * self.world_size
+        self.top_k = None
+        self.capacity = None
+        self.z_loss_coef = 0.0
+
+    def _init_fmoe(self, d_model: int, num_expert: int, world_size: int = 1, top_k: int = 2,
+                   capacity: CapacityArg = None, z_loss_coef: float = 0.0):
+        self.d_model = check_int("d_model", d_model)
+        self.num_expert = check_int("num_expert", num_expert)
+        self.world_size = check_int("world_size", world_size)
         self.tot_expert = num_expert * world_size
         self.top_k = check_top_k(top_k, self.tot_expert)
         self.capacity = check_capacity(capacity)
-        self.z_loss_coef = z_loss_coef
-        self.loss = None
+        self.z_loss_coef = check_float("z_loss_coef", z_loss_coef)
+
+    def _apply(self, fn, *args, **kwargs):
+        return super()._apply(keep_at_least_fp32(fn) if self.keeps_fp32 else fn, *args, **kwargs)
 
     def route(self, x_TD: torch.Tensor):
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} implements neither route() nor forward()")
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
-        return self.routing(x_TD)
+    def forward(self, x_TD: torch.Tensor, return_all_scores: bool = False):
+        """FastMoE's convention: `(topk_idx, topk_val)`, plus the router logits if asked."""
+        if not self._overrides("route"):
+            raise NotImplementedError(f"{type(self).__name__} implements neither route() nor forward()")
+        routing = self.routing(x_TD)
+        if return_all_scores:
+            return routing.expert_idx_TK, routing.weight_TK, self.last_logits_TE
+        return routing.expert_idx_TK, routing.weight_TK
+
+    def _overrides(self, name: str) -> bool:
+        return getattr(type(self), name) is not getattr(BaseGate, name)
 
     def routing(self, x_TD: torch.Tensor) -> Routing:
         """The full routing decision; `FMoE` and every fmoe component call this, never `forward`."""
+        if not self._overrides("route") and self._overrides("forward"):
+            return self._routing_from_forward(x_TD)
         expert_idx_TK, weight_TK, score_TK, logits_TE, aux = self.route(x_TD)
+        self.last_logits_TE = logits_TE
         if self.z_loss_coef:
             aux = aux + self.z_loss_coef * z_loss(logits_TE)
         num_dropped = torch.zeros((), dtype=torch.long, device=x_TD.device)
         factor = self.capacity_factor
         if factor is not None:
-            cap = expert_capacity(factor, x_TD.shape[0], self.top_k, self.tot_expert)
+            cap = self.expert_capacity(factor, x_TD.shape[0])
+            if self.drop_by == "order":
+                score_TK = torch.zeros_like(weight_TK)      # stable sorts keep slot order
             expert_idx_TK, weight_TK, num_dropped = drop_over_capacity(
                 expert_idx_TK, weight_TK, score_TK, self.tot_expert, cap
             )
+        expert_idx_TK, weight_TK, num_unrouted = self.unroute(expert_idx_TK, weight_TK)
         self.set_loss(aux)
-        return Routing(expert_idx_TK, weight_TK, aux, num_dropped)
+        return Routing(expert_idx_TK, weight_TK, aux, num_dropped + num_unrouted, num_unrouted)
+
+    def expert_capacity(self, factor: float, num_tokens: int) -> int:
+        """Slots each expert may take from this rank's `num_tokens` tokens."""
+        return expert_capacity(factor, num_tokens, self.top_k, self.tot_expert)
+
+    def unroute(self, expert_idx_TK, weight_TK):
+        """Slots a gate leaves unrouted after the capacity (GShard's random routing); none here."""
+        return expert_idx_TK, weight_TK, torch.zeros((), dtype=torch.long, device=expert_idx_TK.device)
+
+    def _routing_from_forward(self, x_TD: torch.Tensor) -> Routing:
+        """A FastMoE-style gate: its `(topk_idx, topk_val)` tuple (any shape holding T*K slots)."""
+        topk_idx, topk_val = self.forward(x_TD)[:2]
+        T = x_TD.shape[0]
+        expert_idx_TK = topk_idx.reshape(T, -1).long()
+        weight_TK = topk_val.reshape(T, -1)
+        if expert_idx_TK.shape != weight_TK.shape:
+            raise ValueError(f"{type(self).__name__}.forward returned topk_idx and topk_val of different sizes: "
+                             f"{tuple(topk_idx.shape)} and {tuple(topk_val.shape)}")
+        dropped_TK = expert_idx_TK < 0
+        weight_TK = weight_TK.masked_fill(dropped_TK, 0.0)
+        aux = self.get_loss(clear=False)
+        if aux is None:
+            aux = torch.zeros((), device=x_TD.device)
+        elif aux.numel() == 1:
+            aux = aux.reshape(())
+        return Routing(expert_idx_TK, weight_TK, aux, dropped_TK.sum())
 
     @property
     def capacity_factor(self) -> Optional[float]:
@@ -128,11 +253,28 @@ class BaseGate(nn.Module):
 
 
 class LinearRouter(nn.Module):
-    """The router projection d_model -> experts; kept in fp32-friendly form for all gates."""
+    """The router projection d_model -> experts (`proj.weight` [E, D]). It computes in fp32, or
+    in the input's precision when higher, and keeps its parameters at least fp32."""
 
     def __init__(self, d_model: int, tot_expert: int, bias: bool = True):
         super().__init__()
         self.proj = nn.Linear(d_model, tot_expert, bias=bias)
 
     def forward(self, x_TD):
-        return self.proj(x_TD)
+        w = self.proj.weight
+        dtype = routing_dtype(x_TD.dtype, w.dtype)
+        b = self.proj.bias
+        return F.linear(x_TD.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+
+    def _apply(self, fn, *args, **kwargs):
+        return super()._apply(keep_at_least_fp32(fn), *args, **kwargs)
+
+
+def accepts_keyword(cls, name: str) -> bool:
+    """Whether `cls(...)` takes `name` as a keyword (FastMoE gates name top-k `topk` or `top_k`)."""
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params and params[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                    inspect.Parameter.KEYWORD_ONLY)
