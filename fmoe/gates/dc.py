@@ -24,7 +24,7 @@ class DCGate(BaseGate):
 
     def routing(self, x_TD):
         routing = super().routing(x_TD)
-        routing.num_dropped = self.capacity_drops
+        routing.num_dropped = routing.num_dropped + self.capacity_drops
         return routing
 
     def route(self, x_TD):
@@ -36,12 +36,17 @@ class DCGate(BaseGate):
         m_E = torch.softmax(logits_TE.float(), dim=-1).mean(0)
         aux = torch.mean(c_E * m_E) * self.num_expert ** 2
         rate = self.capacity[0] if self.training else self.capacity[1]
-        routed = (idx_TK >= 0).sum()
-        _, _, idx_TK = limit_by_capacity(idx_TK, self.num_expert, self.world_size, math.ceil(rate * T),
-                                         self.moe_group)
-        self.capacity_drops = routed - (idx_TK >= 0).sum()
-        if self.random_routing:
-            skip_T = 2 * weight_TK[:, 1].detach() < torch.rand(T, device=x_TD.device)
-            idx_TK = torch.stack([idx_TK[:, 0], idx_TK[:, 1].masked_fill(skip_T, -1)], dim=1)
-        weight_TK = weight_TK.masked_fill(idx_TK < 0, 0.0)
-        return idx_TK, weight_TK, weight_TK, logits_TE, aux
+        _, _, kept_TK = limit_by_capacity(idx_TK, self.num_expert, self.world_size, math.ceil(rate * T),
+                                          self.moe_group)
+        self.capacity_drops = (kept_TK < 0).sum()
+        return kept_TK, weight_TK.masked_fill(kept_TK < 0, 0.0), weight_TK, logits_TE, aux
+
+    def unroute(self, expert_idx_TK, weight_TK):
+        """Random routing after the capacity, as FastMoE: the second slot is kept with
+        probability min(1, 2 * its weight)."""
+        if not (self.training and self.random_routing):
+            return super().unroute(expert_idx_TK, weight_TK)
+        T = expert_idx_TK.shape[0]
+        skip_T = (2 * weight_TK[:, 1].detach() < torch.rand(T, device=weight_TK.device)) & (expert_idx_TK[:, 1] >= 0)
+        skip_TK = torch.stack([torch.zeros_like(skip_T), skip_T], dim=1)
+        return expert_idx_TK.masked_fill(skip_TK, -1), weight_TK.masked_fill(skip_TK, 0.0), skip_T.sum()
