@@ -14,7 +14,7 @@ from fmoe.distributed.slicing import gather_rows, slice_rows
 from fmoe.distributed.shadow import make_shadow_policy, shadowed_experts_forward
 from fmoe.experts import GroupedExperts, ModuleListExperts
 from fmoe.fastmoe_state import rename_router, stack_experts
-from fmoe.gates import NaiveGate, make_gate
+from fmoe.gates import BaseGate, NaiveGate, Routing, make_gate
 from fmoe.routing import RoutingPlan
 
 
@@ -72,9 +72,16 @@ class FMoE(nn.Module):
         self.tot_expert = num_expert * self.world_size
         self.backend = backend
         gate_kwargs = dict(gate_kwargs or {})
-        if isinstance(gate, (str, type)):
+        if isinstance(gate, str) or isinstance(gate, type) and issubclass(gate, BaseGate):
             gate_kwargs.setdefault("gate_bias", gate_bias)
-        self.gate = make_gate(gate, d_model, num_expert, self.world_size, top_k, **gate_kwargs)
+        if is_plain_module_gate(gate):
+            # FastMoE accepts any module class built as gate(d_model, num_expert, world_size, top_k)
+            # whose forward returns (topk_idx, topk_val).
+            self.gate = gate(d_model, num_expert, self.world_size, top_k, **gate_kwargs)
+            self.gate.tot_expert = getattr(self.gate, "tot_expert", self.tot_expert)
+            self.gate.top_k = getattr(self.gate, "top_k", top_k)
+        else:
+            self.gate = make_gate(gate, d_model, num_expert, self.world_size, top_k, **gate_kwargs)
         self.top_k = self.gate.top_k
         if hasattr(self.gate, "ep_rank"):
             self.gate.ep_rank = self.moe_rank       # the topology-aware gate needs to know its node
@@ -153,7 +160,7 @@ class FMoE(nn.Module):
         if self.slice_group is not None:
             x_TD = [slice_rows(t, self.slice_group) for t in x_TD]
         inp = x_TD[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_TD, spec)
-        routing = self.gate.routing(inp)
+        routing = self.gate.routing(inp) if isinstance(self.gate, BaseGate) else routing_of_module(self.gate, inp)
         if self.gate_hook is not None:
             self.gate_hook(routing.expert_idx_TK, routing.weight_TK, None)
         expert_idx_TK = routing.expert_idx_TK
@@ -222,6 +229,25 @@ class FMoE(nn.Module):
     def num_dropped(self) -> int:
         """Slots dropped by the capacity limit in the last forward."""
         return 0 if self.last_num_dropped is None else int(self.last_num_dropped)
+
+
+def is_plain_module_gate(gate) -> bool:
+    return isinstance(gate, type) and issubclass(gate, nn.Module) and not issubclass(gate, BaseGate)
+
+
+def routing_of_module(gate: nn.Module, inp) -> Routing:
+    """The Routing of a gate module that only has FastMoE's forward: `(topk_idx, topk_val)`."""
+    topk_idx, topk_val = gate(inp)[:2]
+    T = tree_flatten(inp)[0][0].shape[0]
+    expert_idx_TK = topk_idx.reshape(T, -1).long()
+    weight_TK = topk_val.reshape(T, -1)
+    if expert_idx_TK.shape != weight_TK.shape:
+        raise ValueError(f"{type(gate).__name__}.forward returned topk_idx and topk_val of different sizes: "
+                         f"{tuple(topk_idx.shape)} and {tuple(topk_val.shape)}")
+    dropped_TK = expert_idx_TK < 0
+    aux = gate.get_loss(clear=False) if hasattr(gate, "get_loss") else None
+    aux = torch.zeros((), device=weight_TK.device) if aux is None else aux.reshape(())
+    return Routing(expert_idx_TK, weight_TK.masked_fill(dropped_TK, 0.0), aux, dropped_TK.sum())
 
 
 def resolve_num_expert(num_expert, expert) -> int:
