@@ -401,3 +401,14 @@ def test_megatron_helpers():
     profile = get_balance_profile()
     assert profile["Lmax-over-Lmean"][0] is None and profile["Lmax-over-Lmean"][1] >= 1
     assert "gshard_loss" in profile
+
+
+def test_sharded_checkpoint_of_user_experts(tmp_path):
+    from fmoe.distributed.checkpoint import load_checkpoint, save_checkpoint
+    torch.manual_seed(0)
+    moe = FMoE(num_expert=3, d_model=8, expert=Lin)
+    save_checkpoint(str(tmp_path / "ck"), moe)
+    other = FMoE(num_expert=3, d_model=8, expert=Lin)
+    load_checkpoint(str(tmp_path / "ck"), other)
+    for (n, p), q in zip(moe.state_dict().items(), other.state_dict().values()):
+        torch.testing.assert_close(p, q, msg=n)
