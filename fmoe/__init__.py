@@ -1,7 +1,8 @@
 """fmoe: Mixture-of-Experts for PyTorch, pure Python + Triton, FastMoE-compatible."""
 from fmoe.distributed.ddp import DistributedGroupedDataParallel
 from fmoe.experts import FMoELinear, GroupedExperts
-from fmoe.gates import BalancedGate, BaseGate, FasterGate, GShardGate, NaiveGate, NoisyGate, Routing, SwitchGate
+from fmoe.gates import (BalancedGate, BaseGate, DCGate, FasterGate, GShardGate, NaiveGate, NoisyGate, Routing,
+                        SwipeGate, SwitchGate, ZeroGate)
 from fmoe.layer import FMoE, collect_aux_loss
 from fmoe.routing import RoutingPlan
 from fmoe.transformer import FMoETransformerMLP, moefy
@@ -11,5 +12,6 @@ __version__ = "0.1.0"
 __all__ = [
     "FMoE", "FMoETransformerMLP", "FMoELinear", "GroupedExperts", "RoutingPlan", "Routing",
     "BaseGate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate", "FasterGate",
-    "collect_aux_loss", "moefy", "DistributedGroupedDataParallel",
+    "ZeroGate", "DCGate", "SwipeGate", "DistributedGroupedDataParallel",
+    "collect_aux_loss", "moefy",
 ]

@@ -1,4 +1,5 @@
 """Experts: stacked per-expert weights run as grouped GEMMs, or one user module per expert."""
+import inspect
 import math
 from typing import Callable, Optional, Union
 
@@ -186,23 +187,40 @@ class GroupedExperts(nn.Module):
         return f"num_expert={self.num_expert}, d_model={self.d_model}, d_hidden={self.d_hidden}, activation={act}"
 
 
-class ModuleListExperts(nn.Module):
-    """User experts, one module per expert (FastMoE's `expert=` class or list of classes)."""
+def takes_expert_count(module: nn.Module) -> bool:
+    """Whether `module.forward` accepts a second positional argument (FastMoE's `fwd_expert_count`)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+class ModuleListExperts(nn.ModuleList):
+    """User experts, one module per expert (FastMoE's `expert=` class or list of classes).
+
+    A ModuleList, as in FastMoE: `experts[i]`, iteration and the state-dict keys
+    `experts.<i>.<param>` are FastMoE's. An expert whose forward takes a second argument gets
+    FastMoE's `fwd_expert_count` (a one-element tensor with its row count).
+    """
 
     def __init__(self, expert, num_expert: int, d_model: int):
-        super().__init__()
         classes = list(expert) if isinstance(expert, (list, tuple)) else [expert] * num_expert
         if len(classes) != num_expert:
             raise ValueError(f"expert: a list of expert classes needs num_expert={num_expert} entries, got {len(classes)}")
-        self.experts = nn.ModuleList([cls(d_model) for cls in classes])
+        super().__init__([cls(d_model) for cls in classes])
         self.num_expert = num_expert
+        self.with_count = [takes_expert_count(m) for m in self]
 
     def forward(self, x_ND, counts_e):
         # The split sizes are read on the host: under torch.compile this is a graph break.
         counts = counts_e.tolist()
         chunks = torch.split(x_ND, counts + [x_ND.shape[0] - sum(counts)])   # last: rows of dropped slots
-        outs = [self.experts[e](chunk) if chunk.shape[0] else chunk for e, chunk in enumerate(chunks[:-1])]
+        outs = [self.expert_forward(e, chunk) if chunk.shape[0] else chunk for e, chunk in enumerate(chunks[:-1])]
         return torch.cat(outs + [torch.zeros_like(chunks[-1])], dim=0)
 
     def expert_forward(self, e: int, x_TD):
-        return self.experts[e](x_TD)
+        if self.with_count[e]:
+            return self[e](x_TD, torch.tensor([x_TD.shape[0]]))
+        return self[e](x_TD)

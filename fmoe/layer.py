@@ -4,15 +4,18 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fmoe import kernels
 from fmoe.distributed import exchange
 from fmoe.distributed.check import check_expert_parallel_config
 from fmoe.distributed.schedule import group_size_from_env, schedule_enabled_by_env, scheduled_experts
 from fmoe.distributed.shadow import ShadowPull, make_shadow_policy
+from fmoe.distributed.slicing import gather_rows, slice_rows
 from fmoe.distributed.timeout import set_current_layer
 from fmoe.experts import GroupedExperts, ModuleListExperts
-from fmoe.gates import NaiveGate, make_gate
+from fmoe.fastmoe_state import rename_router, stack_experts
+from fmoe.gates import BaseGate, NaiveGate, Routing, make_gate
 from fmoe.gates.base import accepts_keyword
 from fmoe.routing import RoutingPlan
 
@@ -55,14 +58,22 @@ def check_world(world_size, moe_group) -> int:
 class FMoE(nn.Module):
     """A Mixture-of-Experts layer with FastMoE's constructor.
 
-    `num_expert` experts live on each of `world_size` ranks. Experts are either `expert` (a
-    module class, instantiated per expert as `expert(d_model)`, or a list of classes) or, with
-    `d_hidden`, stacked MLP experts that run as grouped GEMMs. `shadow` (True, a ShadowPolicy, or
+    `num_expert` experts (default 32) live on each of `world_size` ranks. Experts are either
+    `expert` (a module class, instantiated per expert as `expert(d_model)`, or a list of classes,
+    whose length is then `num_expert`), with `d_hidden`, stacked MLP experts that run as grouped
+    GEMMs, or, as in FastMoE's fused pattern, a module assigned to `self.experts` after
+    construction and called as `experts(x, fwd_expert_count)`. `expert_fn(x, fwd_expert_count)`
+    is the seam around the local experts; a subclass may override it.
+    `shadow` (True, a ShadowPolicy, or
     FMOE_FASTER_SHADOW_ENABLE=1) turns on FasterMoE's shadowing of hot experts, `schedule` (or
     FMOE_FASTER_SCHEDULE_ENABLE=1) its pipelined exchange in groups of `schedule_group_size`
-    ranks (FMOE_FASTER_GROUP_SIZE). Input of any shape
-    [..., d_model]; output the same shape. After every forward the layer holds `aux_loss`,
-    `num_dropped` and `last_counts_E` (rows each expert received).
+    ranks (FMOE_FASTER_GROUP_SIZE). Input: a tensor [..., d_model], or (FastMoE's multi-input
+    experts) any tree of tensors sharing the leading dims, which the gate and experts then
+    receive whole. Output: the same structure. `slice_group` (FastMoE's `mp_group`): the ranks
+    of that group hold the same input; each routes one slice of the tokens and the outputs are
+    gathered. `mask` / `mask_dict`: tokens whose mask is 0 are routed; a token with mask k gets
+    `mask_dict[k]` from each of its top-k slots instead. After every forward the layer holds
+    `aux_loss`, `num_dropped` and `last_counts_E` (rows each expert received).
 
     `shared_expert` adds experts every token passes through, computed on every rank beside the
     routed ones (data-parallel parameters, not expert ones): a module, a list of modules, or an
@@ -71,17 +82,19 @@ class FMoE(nn.Module):
     (Qwen2-MoE's `shared_expert_gate`, a [1, d_model] linear).
     """
 
-    def __init__(self, num_expert=32, d_model=1024, world_size=1, moe_group=None, top_k=2, gate=NaiveGate,
-                 expert=None, gate_hook=None, gate_bias=True, d_hidden=None, activation="gelu",
-                 expert_bias=True, gate_kwargs=None, backend: Optional[str] = None, shadow=None,
-                 schedule=None, schedule_group_size=None, shared_expert=None, shared_expert_gate=False):
+    def __init__(self, num_expert=None, d_model=1024, world_size=1, mp_group=None, slice_group=None,
+                 moe_group=None, top_k=2, gate=NaiveGate, expert=None, gate_hook=None, mask=None, mask_dict=None,
+                 gate_bias=True, d_hidden=None, activation="gelu", expert_bias=True, gate_kwargs=None,
+                 backend: Optional[str] = None, shadow=None, schedule=None, schedule_group_size=None,
+                 shared_expert=None, shared_expert_gate=False):
         super().__init__()
         positive_int("d_model", d_model)
-        positive_int("num_expert", num_expert, " (experts per rank)")
+        num_expert = resolve_num_expert(num_expert, expert)
         if d_hidden is not None:
             positive_int("d_hidden", d_hidden)
         self.world_size = check_world(world_size, moe_group)
         self.moe_group = moe_group
+        self.slice_group = resolve_slice_group(mp_group, slice_group)
         self.num_expert = num_expert
         self.d_model = d_model
         self.tot_expert = num_expert * self.world_size
@@ -90,10 +103,19 @@ class FMoE(nn.Module):
         gate_kwargs = dict(gate_kwargs or {})
         if isinstance(gate, str) or isinstance(gate, type) and accepts_keyword(gate, "gate_bias"):
             gate_kwargs.setdefault("gate_bias", gate_bias)
-        self.gate = make_gate(gate, d_model, num_expert, self.world_size, top_k, **gate_kwargs)
+        if is_plain_module_gate(gate):
+            # FastMoE accepts any module class built as gate(d_model, num_expert, world_size, top_k)
+            # whose forward returns (topk_idx, topk_val).
+            self.gate = gate(d_model, num_expert, self.world_size, top_k, **gate_kwargs)
+            self.gate.tot_expert = getattr(self.gate, "tot_expert", self.tot_expert)
+            self.gate.top_k = getattr(self.gate, "top_k", top_k)
+        else:
+            self.gate = make_gate(gate, d_model, num_expert, self.world_size, top_k, **gate_kwargs)
         self.top_k = self.gate.top_k
         if hasattr(self.gate, "ep_rank"):
             self.gate.ep_rank = self.moe_rank       # the topology-aware gate needs to know its node
+        if hasattr(self.gate, "moe_group"):
+            self.gate.moe_group = moe_group         # gates that decide capacity over the group
         if self.gate.tot_expert != self.tot_expert:
             raise ValueError(f"gate routes to {self.gate.tot_expert} experts, the layer has {self.tot_expert}")
         if isinstance(expert, nn.Module):
@@ -104,8 +126,8 @@ class FMoE(nn.Module):
             self.experts = GroupedExperts(num_expert, d_model, d_hidden, activation, bias=expert_bias, backend=backend)
             check_activation(self.experts.activation, d_hidden)
         else:
-            raise ValueError("FMoE needs its experts: pass expert= (a module class) or d_hidden= (stacked MLP experts)")
-        mark_expert_parameters(self.experts)
+            self.experts = None     # FastMoE's fused pattern: the subclass assigns self.experts
+        self.mask, self.mask_dict = check_mask(mask, mask_dict)
         self.shared_experts = make_shared_experts(shared_expert, d_model, activation, expert_bias)
         if shared_expert_gate and self.shared_experts is None:
             raise ValueError("shared_expert_gate=True needs shared_expert= (a module, a list of them or a d_hidden)")
@@ -120,6 +142,17 @@ class FMoE(nn.Module):
         self.last_counts_E = None
         self.last_num_dropped = None
         self.layer_index = None        # set by the check with the other ranks, before the first exchange
+
+    def __setattr__(self, name, value):
+        if name == "experts" and isinstance(value, nn.Module):
+            mark_expert_parameters(value)       # also for experts assigned after construction
+        super().__setattr__(name, value)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        rename_router(state_dict, prefix, self.gate.state_dict().keys())
+        if isinstance(self.experts, GroupedExperts):
+            stack_experts(state_dict, prefix + "experts.", self.num_expert)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def moe_rank(self) -> int:
@@ -164,24 +197,83 @@ class FMoE(nn.Module):
             raise ValueError(f"{self.label}: the experts ({type(self.experts).__name__}) must return rows of width "
                              f"d_model={self.d_model}, they returned shape {tuple(y_ND.shape)}")
 
-    def forward(self, x):
-        self.check_input(x)
+    def mark_parallel_comm(self, expert_dp_comm="none"):
+        """FastMoE's data-parallel tags: experts reduced over `expert_dp_comm`, the gate over "gate"."""
+        for p in self.experts.parameters():
+            p.dp_comm = expert_dp_comm
+        for p in self.gate.parameters():
+            p.dp_comm = "gate"
+
+    def leaves_of(self, moe_inp):
+        """The input's tensors, checked: floating point, sharing the leading dims; (leaves, spec, lead)."""
+        leaves, spec = tree_flatten(moe_inp)
+        if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+            raise TypeError(f"x must be a torch.Tensor or a tree of them, got {type(moe_inp).__name__}")
+        lead = leaves[0].shape[:-1]
+        for t in leaves:
+            if not t.is_floating_point():
+                raise TypeError(f"x must be floating point, got dtype {t.dtype}")
+            if t.dim() < 1 or t.shape[:-1] != lead:
+                raise ValueError(f"every input tensor must share the leading dims {tuple(lead)}, got {tuple(t.shape)}")
+        if isinstance(moe_inp, torch.Tensor) and moe_inp.shape[-1] != self.d_model:
+            raise ValueError(f"x must have last dimension d_model={self.d_model}, got shape {tuple(moe_inp.shape)}")
+        return leaves, spec, lead
+
+    def forward(self, moe_inp):
+        if self.experts is None:
+            raise RuntimeError("FMoE was built without experts: pass expert= or d_hidden=, or assign self.experts")
+        if isinstance(moe_inp, torch.Tensor):
+            self.check_input(moe_inp)
+        leaves, spec, lead = self.leaves_of(moe_inp)
         if self.world_size > 1:
-            self.check_with_peers(x)
-        x_TD = x.reshape(-1, self.d_model)
-        routing = self.gate.routing(x_TD)
+            self.check_with_peers(leaves[0])
+        x_TD = [t.reshape(-1, t.shape[-1]) for t in leaves]
+        if self.slice_group is not None:
+            x_TD = [slice_rows(t, self.slice_group) for t in x_TD]
+        inp = x_TD[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_TD, spec)
+        routing = self.gate.routing(inp) if isinstance(self.gate, BaseGate) else routing_of_module(self.gate, inp)
         if self.gate_hook is not None:
             self.gate_hook(routing.expert_idx_TK, routing.weight_TK, None)
-        plan = RoutingPlan.build(routing.expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
+        expert_idx_TK = routing.expert_idx_TK
+        if self.mask_dict is not None:
+            expert_idx_TK = expert_idx_TK.masked_fill(self.token_mask(x_TD[0])[:, None] != 0, -1)
+        plan = RoutingPlan.build(expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
                                  self.shadow_policy)
-        x_ND = kernels.permute(x_TD, plan, self.backend)
-        y_ND = self.run_experts(x_ND, plan)
-        self.check_expert_output(y_ND)
-        y_TD = kernels.unpermute(y_ND, plan, routing.weight_TK, self.backend)
+        x_ND = [kernels.permute(t, plan, self.backend) for t in x_TD]
+        y_ND = self.run_experts(x_ND[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_ND, spec), plan)
+        if isinstance(y_ND, torch.Tensor):
+            self.check_expert_output(y_ND)
+        y_TD = [kernels.unpermute(t, plan, routing.weight_TK, self.backend) for t in tree_flatten(y_ND)[0]]
+        if self.mask_dict is not None:
+            y_TD = [self.add_masked(t, x_TD[0], routing.weight_TK) for t in y_TD]
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_forward(x_TD)
+            if not isinstance(moe_inp, torch.Tensor):
+                raise ValueError("shared_expert needs a single input tensor, not a tree of them")
+            y_TD = [y_TD[0] + self.shared_forward(x_TD[0])]
+        if self.slice_group is not None:
+            y_TD = [gather_rows(t, self.slice_group) for t in y_TD]
         self.record(routing, plan)
-        return y_TD.reshape(x.shape)
+        out = [t.reshape(*lead, t.shape[-1]) for t in y_TD]
+        return out[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(out, tree_flatten(y_ND)[1])
+
+    def token_mask(self, x_TD):
+        mask_T = self.mask.reshape(-1).to(x_TD.device)
+        if mask_T.shape[0] != x_TD.shape[0]:
+            raise ValueError(f"mask has {mask_T.shape[0]} entries, the input {x_TD.shape[0]} tokens")
+        return mask_T
+
+    def add_masked(self, y_TD, x_TD, weight_TK):
+        """Masked tokens: each of their top-k slots yields mask_dict[k], weighted like an expert's output."""
+        mask_T = self.token_mask(x_TD)
+        weight_T1 = weight_TK.sum(-1, keepdim=True).to(y_TD.dtype)
+        for k, value in self.mask_dict.items():
+            picked_T1 = (mask_T == k)[:, None].to(y_TD.dtype)
+            y_TD = y_TD + picked_T1 * weight_T1 * value.to(y_TD)
+        return y_TD
+
+    def expert_fn(self, x_RD, fwd_expert_count):
+        """The local experts on rows in expert order; `fwd_expert_count` rows for each."""
+        return self.experts(x_RD, fwd_expert_count)
 
     def shared_forward(self, x_TD):
         """The shared experts' term: their summed output, gated per token when there is a gate."""
@@ -193,7 +285,13 @@ class FMoE(nn.Module):
     def run_experts(self, x_ND, plan: RoutingPlan):
         """Rows in expert order -> expert outputs in the same order, wherever the experts live."""
         if plan.exchange is None:
-            return self.experts(x_ND, plan.counts_E)
+            return self.expert_fn(x_ND, plan.counts_E)
+        if not isinstance(x_ND, torch.Tensor) or type(self).expert_fn is not FMoE.expert_fn:
+            if self.schedule or self.shadow_policy is not None:
+                raise ValueError("shadow / schedule need a single input tensor and the default expert_fn")
+            return tree_map(lambda y: exchange.combine(y, plan),
+                            self.expert_fn(tree_map(lambda x: exchange.dispatch(x, plan), x_ND),
+                                           plan.local_counts_e))
         x_sent, x_home = x_ND.split([x_ND.shape[0] - plan.num_shadow_rows, plan.num_shadow_rows])
         # The pull starts first, so it travels while the other rows are dispatched and computed.
         pull = None if plan.shadow is None else ShadowPull(self.experts, plan.shadow, self.num_expert,
@@ -202,7 +300,7 @@ class FMoE(nn.Module):
             y_sent = scheduled_experts(self.experts, x_sent, plan.exchange, self.schedule_group_size)
         else:
             x_RD = exchange.dispatch(x_sent, plan)
-            y_RD = self.experts(x_RD, plan.local_counts_e)
+            y_RD = self.expert_fn(x_RD, plan.local_counts_e)
             y_sent = exchange.combine(y_RD, plan)
         if pull is None:
             return y_sent
@@ -245,6 +343,63 @@ class SharedExpertMLP(nn.Module):
 
     def forward(self, x_TD):
         return self.mlp.expert_forward(0, x_TD)
+
+
+def is_plain_module_gate(gate) -> bool:
+    return isinstance(gate, type) and issubclass(gate, nn.Module) and not issubclass(gate, BaseGate)
+
+
+def routing_of_module(gate: nn.Module, inp) -> Routing:
+    """The Routing of a gate module that only has FastMoE's forward: `(topk_idx, topk_val)`."""
+    topk_idx, topk_val = gate(inp)[:2]
+    T = tree_flatten(inp)[0][0].shape[0]
+    expert_idx_TK = topk_idx.reshape(T, -1).long()
+    weight_TK = topk_val.reshape(T, -1)
+    if expert_idx_TK.shape != weight_TK.shape:
+        raise ValueError(f"{type(gate).__name__}.forward returned topk_idx and topk_val of different sizes: "
+                         f"{tuple(topk_idx.shape)} and {tuple(topk_val.shape)}")
+    dropped_TK = expert_idx_TK < 0
+    aux = gate.get_loss(clear=False) if hasattr(gate, "get_loss") else None
+    aux = torch.zeros((), device=weight_TK.device) if aux is None else aux.reshape(())
+    return Routing(expert_idx_TK, weight_TK.masked_fill(dropped_TK, 0.0), aux, dropped_TK.sum())
+
+
+def resolve_num_expert(num_expert, expert) -> int:
+    """Experts per rank: FastMoE's `expert=[A, B, ...]` gives the count; otherwise 32 by default."""
+    if isinstance(expert, (list, tuple)):
+        if num_expert is not None and num_expert != len(expert):
+            raise ValueError(f"num_expert={num_expert} but expert lists {len(expert)} expert classes")
+        num_expert = len(expert)
+    num_expert = 32 if num_expert is None else num_expert
+    if not isinstance(num_expert, int) or num_expert < 1:
+        raise ValueError(f"num_expert must be a positive int (experts per rank), got {num_expert!r}")
+    return num_expert
+
+
+def resolve_slice_group(mp_group, slice_group):
+    """FastMoE's `mp_group` is the older name of `slice_group`; one group of size 1 is no slicing."""
+    if mp_group is not None and slice_group is not None and mp_group is not slice_group:
+        raise ValueError("pass slice_group or its old name mp_group, not both")
+    group = slice_group if slice_group is not None else mp_group
+    if group is None:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("slice_group needs torch.distributed initialised first")
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def check_mask(mask, mask_dict):
+    if (mask is None) != (mask_dict is None):
+        raise ValueError("mask and mask_dict go together: pass both (FastMoE ignores one alone) or neither")
+    if mask is None:
+        return None, None
+    if not isinstance(mask, torch.Tensor) or mask.is_floating_point():
+        raise TypeError(f"mask must be an integer tensor with one entry per token, got {mask!r}")
+    if not isinstance(mask_dict, dict) or not all(isinstance(v, torch.Tensor) for v in mask_dict.values()):
+        raise TypeError("mask_dict must map mask values to tensors (the output of a masked token)")
+    if 0 in mask_dict:
+        raise ValueError("mask_dict cannot hold 0: mask 0 marks the tokens that are routed")
+    return mask, mask_dict
 
 
 def mark_expert_parameters(module: nn.Module):

@@ -4,19 +4,56 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from fmoe.experts import resolve_activation
+from fmoe.experts import FMoELinear, GroupedExperts, resolve_activation
 from fmoe.layer import FMoE
 
 
+class _Expert(nn.Module):
+    """FastMoE's fused experts: two FMoELinear (`htoh4`, `h4toh`) around an activation, called
+    as `experts(x, fwd_expert_count)`; assign it to `FMoE.experts` (FastMoE's fused pattern)."""
+
+    def __init__(self, num_expert, d_model, d_hidden, activation, rank=0):
+        super().__init__()
+        self.htoh4 = FMoELinear(num_expert, d_model, d_hidden, bias=True, rank=rank)
+        self.h4toh = FMoELinear(num_expert, d_hidden, d_model, bias=True, rank=rank)
+        self.activation = activation
+
+    def forward(self, inp, fwd_expert_count):
+        return self.h4toh(self.activation(self.htoh4(inp, fwd_expert_count)), fwd_expert_count)
+
+
+class StackedLinearView(nn.Module):
+    """FastMoE's view of one stacked expert projection: `weight` [e, out, in] and `bias` [e, out]
+    are views of GroupedExperts' parameters, so FastMoE-style init code (`model.apply` over
+    modules named *Linear*, in-place `nn.init` on `m.weight`) reaches the experts. Holds no
+    parameter of its own: the state dict and the optimiser see only GroupedExperts'."""
+
+    def __init__(self, experts: GroupedExperts, weight_name: str, bias_name: str):
+        super().__init__()
+        object.__setattr__(self, "owner", experts)      # not a child module: no cycle in the tree
+        self.weight_name, self.bias_name = weight_name, bias_name
+
+    @property
+    def weight(self):
+        return getattr(self.owner, self.weight_name).transpose(1, 2)
+
+    @property
+    def bias(self):
+        return getattr(self.owner, self.bias_name)
+
+
 class FMoETransformerMLP(FMoE):
-    """An MoE layer shaped like a Transformer FFN: d_model -> d_hidden -> d_model per expert."""
+    """An MoE layer shaped like a Transformer FFN: d_model -> d_hidden -> d_model per expert.
+    Its experts are stacked (GroupedExperts); `experts.htoh4` / `experts.h4toh` are FastMoE's
+    views of them, and FastMoE's state dicts load (see fmoe/fastmoe_state.py)."""
 
     def __init__(self, num_expert=32, d_model=1024, d_hidden=4096, activation="gelu", expert_dp_comm="none",
                  expert_rank=0, **kwargs):
         super().__init__(num_expert=num_expert, d_model=d_model, d_hidden=d_hidden, activation=activation, **kwargs)
         self.expert_rank = expert_rank
-        for p in self.experts.parameters():
-            p.dp_comm = expert_dp_comm
+        self.experts.htoh4 = StackedLinearView(self.experts, "w1_eDF", "b1_eF")
+        self.experts.h4toh = StackedLinearView(self.experts, "w2_eFD", "b2_eD")
+        self.mark_parallel_comm(expert_dp_comm)
 
 
 class MoETransformerEncoderLayer(nn.TransformerEncoderLayer):

@@ -33,8 +33,8 @@ def _expert_slices(model: nn.Module) -> Dict[str, Tuple[str, list]]:
         first = layer.moe_rank * layer.num_expert
         if isinstance(layer.experts, ModuleListExperts):
             for name, _ in layer.experts.named_parameters():
-                _, local, rest = name.split(".", 2)
-                slices[f"{base}.{name}"] = ("module", [(f"{base}.experts.{first + int(local)}.{rest}", None)])
+                local, rest = name.split(".", 1)
+                slices[f"{base}.{name}"] = ("module", [(f"{base}.{first + int(local)}.{rest}", None)])
         else:
             for name, _ in layer.experts.named_parameters():
                 key = f"{base}.{name}"

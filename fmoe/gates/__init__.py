@@ -1,12 +1,15 @@
 """Gates: `x_TD -> Routing`. `make_gate` builds one from a name, a class or an instance."""
 from fmoe.gates.balanced import BalancedGate
 from fmoe.gates.base import BaseGate, Routing, accepts_keyword
+from fmoe.gates.dc import DCGate
 from fmoe.gates.faster import FasterGate
 from fmoe.gates.gshard import GShardGate
 from fmoe.gates.naive import NaiveGate
 from fmoe.gates.noisy import NoisyGate
 from fmoe.gates.router import PRESETS, RouterGate
+from fmoe.gates.swipe import SwipeGate
 from fmoe.gates.switch import SwitchGate
+from fmoe.gates.zero import ZeroGate
 
 GATES = {
     "naive": NaiveGate,
@@ -16,6 +19,9 @@ GATES = {
     "balanced": BalancedGate,
     "faster": FasterGate,
     "router": RouterGate,
+    "zero": ZeroGate,
+    "dc": DCGate,
+    "swipe": SwipeGate,
 }
 
 
@@ -35,4 +41,4 @@ def make_gate(gate, d_model: int, num_expert: int, world_size: int, top_k: int, 
 
 
 __all__ = ["BaseGate", "Routing", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate",
-           "FasterGate", "RouterGate", "PRESETS", "GATES", "make_gate"]
+           "FasterGate", "RouterGate", "PRESETS", "ZeroGate", "DCGate", "SwipeGate", "GATES", "make_gate"]

@@ -177,18 +177,28 @@ class BaseGate(nn.Module):
         """FastMoE's convention: `(topk_idx, topk_val)`, plus the router logits if asked."""
         if not self._overrides("route"):
             raise NotImplementedError(f"{type(self).__name__} implements neither route() nor forward()")
-        routing = self.routing(x_TD)
+        routing = self.routing_by_route(x_TD)
+        weight_TK = routing.weight_TK.to(x_TD.dtype)     # FastMoE's scores come in the input's dtype
         if return_all_scores:
-            return routing.expert_idx_TK, routing.weight_TK, self.last_logits_TE
-        return routing.expert_idx_TK, routing.weight_TK
+            return routing.expert_idx_TK, weight_TK, self.last_logits_TE
+        return routing.expert_idx_TK, weight_TK
 
     def _overrides(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(BaseGate, name)
 
+    def _defined_in(self, name: str) -> type:
+        return next(k for k in type(self).__mro__ if name in k.__dict__)
+
     def routing(self, x_TD: torch.Tensor) -> Routing:
-        """The full routing decision; `FMoE` and every fmoe component call this, never `forward`."""
-        if not self._overrides("route") and self._overrides("forward"):
+        """The full routing decision; `FMoE` and every fmoe component call this, never `forward`.
+        A FastMoE-style `forward` is used when it is defined below the class that defines `route`
+        (a forward-only gate, or FastMoE's pattern of subclassing NaiveGate and overriding forward)."""
+        forward_cls, route_cls = self._defined_in("forward"), self._defined_in("route")
+        if forward_cls is not BaseGate and forward_cls is not route_cls and issubclass(forward_cls, route_cls):
             return self._routing_from_forward(x_TD)
+        return self.routing_by_route(x_TD)
+
+    def routing_by_route(self, x_TD: torch.Tensor) -> Routing:
         expert_idx_TK, weight_TK, score_TK, logits_TE, aux = self.route(x_TD)
         self.last_logits_TE = logits_TE
         if self.z_loss_coef:
@@ -220,6 +230,7 @@ class BaseGate(nn.Module):
     def _routing_from_forward(self, x_TD: torch.Tensor) -> Routing:
         """A FastMoE-style gate: its `(topk_idx, topk_val)` tuple (any shape holding T*K slots)."""
         topk_idx, topk_val = self.forward(x_TD)[:2]
+        x_TD = torch.utils._pytree.tree_leaves(x_TD)[0]     # FMoE passes multi-input gates their whole tree
         T = x_TD.shape[0]
         expert_idx_TK = topk_idx.reshape(T, -1).long()
         weight_TK = topk_val.reshape(T, -1)

@@ -14,9 +14,14 @@ try:
 except ImportError as err:
     raise ImportError("fmoe.megatron needs megatron-core: pip install 'fmoe[megatron]'") from err
 
+from fmoe.megatron.balance import add_balance_log, generate_megatron_gate_hook, get_balance_profile, reset_gate_hook
+from fmoe.megatron.checkpoint import load_checkpoint, save_checkpoint
+from fmoe.megatron.distributed import DistributedDataParallel
 from fmoe.megatron.fmoefy import fmoefy
 from fmoe.megatron.mlp import MegatronMLP
+from fmoe.megatron.patch import patch_forward_step, patch_model_provider
 from fmoe.megatron.spec import fmoe_mlp_spec, get_gpt_layer_with_fmoe_spec
+from fmoe.megatron.utils import add_fmoe_args
 
 TESTED_MEGATRON_CORE = ("0.16.1",)
 
@@ -24,4 +29,8 @@ if megatron.core.__version__ not in TESTED_MEGATRON_CORE:
     warnings.warn(f"fmoe.megatron is tested with megatron-core {', '.join(TESTED_MEGATRON_CORE)}; "
                   f"this is {megatron.core.__version__}")
 
-__all__ = ["MegatronMLP", "fmoefy", "fmoe_mlp_spec", "get_gpt_layer_with_fmoe_spec", "TESTED_MEGATRON_CORE"]
+__all__ = ["MegatronMLP", "fmoefy", "fmoe_mlp_spec", "get_gpt_layer_with_fmoe_spec", "TESTED_MEGATRON_CORE",
+           # FastMoE's Megatron-LM helpers (see fmoe/megatron/{utils,balance,checkpoint,patch,distributed}.py)
+           "add_fmoe_args", "save_checkpoint", "load_checkpoint", "DistributedDataParallel", "reset_gate_hook",
+           "get_balance_profile", "generate_megatron_gate_hook", "add_balance_log", "patch_forward_step",
+           "patch_model_provider"]
