@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Union
 
 PathLike = Union[str, Path]
+UMASK = os.umask(0)
+os.umask(UMASK)
 
 
 class WriteError(OSError):
@@ -33,6 +35,7 @@ def write_atomic(path: PathLike, write: Callable[[BinaryIO], object]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~UMASK)       # the mode a plain open() would give, not mkstemp's 0600
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

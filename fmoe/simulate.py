@@ -5,13 +5,13 @@ one MoE layer with plain expert parallelism, with shadowing, with the smart sche
 both; printed as a table, written as JSON and plotted.
 """
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import List
 
 import torch
 
+from fmoe.files import save_figure, write_json
 from fmoe.perfmodel import PerfModel
 
 STRATEGIES = ("plain", "shadow", "schedule", "both")
@@ -74,7 +74,7 @@ def plot(rows: List[dict], distributions: List[str], path: Path):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(path, fig, dpi=110)
     plt.close(fig)
 
 
@@ -114,7 +114,7 @@ def run(args) -> List[dict]:
               + f"{s['shadow']:10.2f}{s['schedule']:9.2f}{s['both']:8.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "simulate.json").write_text(json.dumps({"config": vars(args), "results": rows}, indent=2) + "\n")
+    write_json(out / "simulate.json", {"config": vars(args), "results": rows}, indent=2)
     plot(rows, args.dist, out / "simulate.png")
     print(f"wrote {out / 'simulate.json'} and {out / 'simulate.png'}")
     return rows
