@@ -400,10 +400,10 @@ class Trainer:
 
         params = dict(self.model.named_parameters())
         self.model.load_state_dict({k: local(v, params.get(k)) for k, v in state["model"].items()})
-        optim = state["optimizer"]
         ordered = [p for group in self.optimizer.param_groups for p in group["params"]]
-        optim["state"] = {i: {k: local(v, ordered[i]) for k, v in s.items()} for i, s in optim["state"].items()}
-        self.optimizer.load_state_dict(optim)
+        optim = state["optimizer"]
+        self.optimizer.load_state_dict({**optim, "state": {i: {k: local(v, ordered[i]) for k, v in s.items()}
+                                                           for i, s in optim["state"].items()}})
 
     def random_states(self) -> dict:
         return {"sampler_rng": self.sampler.generator.get_state(), "torch_rng": torch.get_rng_state(),

@@ -336,3 +336,44 @@ def test_bad_input_big_data_file_is_read_only_as_far_as_kept(tmp_path, monkeypat
     corpus = load_corpus(str(big), seq_len=16, max_bytes=10_000)
     assert corpus.num_bytes == 10_000 and corpus.truncated
     assert all(0 <= n <= 10_000 for n in reads)
+
+
+# --- a one-process checkpoint on expert-parallel ranks --------------------------------------------------
+
+def _load_full_on_rank(rank, world, state_file):
+    from types import SimpleNamespace
+
+    from fmoe.distributed.groups import make_groups
+    from fmoe.gpt import GPT, GPTConfig
+    from fmoe.train import TrainConfig, Trainer, make_optimizer
+
+    state = torch.load(state_file, weights_only=True)
+    cfg = GPTConfig(**state["model_config"])
+    groups = make_groups(world)
+    model = GPT(cfg, world, groups.moe_group)
+    optimizer = make_optimizer(model, TrainConfig())
+    Trainer.load_full_state_into_shard(SimpleNamespace(model=model, optimizer=optimizer), state)
+    e = cfg.num_expert // world
+    full_params = state["model"]
+    names = {p: n for n, p in model.named_parameters()}
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]     # the optimizer's indices
+    for i, p in enumerate(ordered):
+        name = names[p]
+        expected = full_params[name]
+        if ".experts." in name:
+            expected = expected[rank * e:(rank + 1) * e]
+        assert torch.equal(p.detach(), expected), name
+        saved = state["optimizer"]["state"][i]["exp_avg"]
+        if ".experts." in name:
+            saved = saved[rank * e:(rank + 1) * e]
+        assert torch.equal(optimizer.state[p]["exp_avg"], saved), name
+    assert len(ordered) == len(state["optimizer"]["state"])
+
+
+def test_fault_free_one_process_checkpoint_loads_on_expert_parallel_ranks(run_with_previous):
+    from tests.dist_utils import run_ranks
+
+    state = checkpoints.load_file(run_with_previous / "checkpoint.pt")
+    path = run_with_previous / "plain-state.pt"
+    torch.save(state, path)
+    run_ranks(_load_full_on_rank, 2, str(path))
