@@ -9,7 +9,6 @@ compiled call (compiling) is timed apart. Prints ms and ratios; writes JSON only
 """
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe  # noqa: E402
 from common import machine, time_call  # noqa: E402
+from fmoe.files import write_json  # noqa: E402
 
 
 def main(argv=None):
@@ -68,7 +68,7 @@ def main(argv=None):
               f"{row['first_compiled_call_s']:11.1f}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"config": vars(args), "machine": machine(), "results": rows}, indent=2))
+        write_json(args.out, {"config": vars(args), "machine": machine(), "results": rows}, indent=2)
         print(f"wrote {args.out}")
 
 

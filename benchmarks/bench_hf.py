@@ -10,7 +10,6 @@ milliseconds and fmoe's speed-up over each; writes the JSON to --out.
 """
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe.hf  # noqa: E402
 from common import machine, time_call  # noqa: E402
 from fmoe.hf.families import find_moe_blocks  # noqa: E402
+from fmoe.files import write_json  # noqa: E402
 
 
 def block_config(family: str, D: int):
@@ -82,7 +82,7 @@ def main(argv=None):
         print(f"{family:12s} " + "  ".join(f"{n} {t:8.2f} ms" for n, t in ms.items()) + "   "
               + "  ".join(f"{n} {r:.2f}x" for n, r in ratios.items()), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results, indent=2)
     print(f"wrote {args.out}")
 
 

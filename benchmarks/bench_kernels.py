@@ -14,7 +14,6 @@ Sections:
 Prints tables with TFLOP/s and ratios, writes benchmarks/results/kernels-<gpu name>.json.
 """
 import argparse
-import json
 import math
 import os
 import re
@@ -34,6 +33,7 @@ from common import RESULTS, RoundRobinGate, machine  # noqa: E402
 from fmoe.kernels import torch_ops, triton_ops  # noqa: E402
 from fmoe.kernels.triton_grouped_mm import _grouped_mm_kernel, _launcher, interpreting  # noqa: E402
 from fmoe.routing import RoutingPlan  # noqa: E402
+from fmoe.files import write_json  # noqa: E402
 
 # (name, rows N, in I, out O, experts E, count distribution)
 GEMM_SHAPES = [("mixtral", 16384, 4096, 14336, 8, "uniform"), ("deepseek", 65536, 2048, 1408, 64, "uniform"),
@@ -244,7 +244,7 @@ def main(argv=None):
                 ("layer", bench_layer, QUICK_LAYER, LAYER_SHAPES))
     for key, run, quick_shapes, shapes in sections:
         payload[key] = run(quick_shapes if args.quick else shapes, dtype, device, bench)
-        out.write_text(json.dumps(payload, indent=2) + "\n")    # after each section: a timeout keeps what ran
+        write_json(out, payload, indent=2)    # after each section: a timeout keeps what ran
     print(f"\nwrote {out}")
 
 

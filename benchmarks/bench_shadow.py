@@ -13,7 +13,6 @@ from the measured counts. Writes JSON only with `--out` (the committed figure is
 benchmarks/results/shadow-cpu.json, run on a quiet machine).
 """
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from fmoe.distributed.shadow import ShadowPolicy  # noqa: E402
 from fmoe.gates.base import BaseGate, LinearRouter  # noqa: E402
 from fmoe.perfmodel import PerfModel, calibrate  # noqa: E402
 from fmoe.simulate import expert_shares  # noqa: E402
+from fmoe.files import write_json  # noqa: E402
 
 CASES = {"uniform": "uniform", "half_to_one_expert": "hot:0.5", "eighty_to_one_expert": "hot:0.8"}
 VARIANTS = ("off", "dynamic", "static", "forced")
@@ -170,7 +170,7 @@ def main(argv=None):
     if args.out:
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"config": vars(args), "machine": machine(), **out}, indent=2) + "\n")
+        write_json(path, {"config": vars(args), "machine": machine(), **out}, indent=2)
         print(f"wrote {path}")
     else:
         print("not written (pass --out FILE to keep the results)")

@@ -1,5 +1,4 @@
 """Shared pieces of the benchmarks: timing, balanced routing, the machine's description, JSON out."""
-import json
 import os
 import platform
 import socket
@@ -12,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fmoe.gates.base import BaseGate, LinearRouter
+from fmoe.files import write_json as write_json_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -57,7 +57,7 @@ def machine() -> dict:
 def write_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    write_json_atomic(path, payload, indent=2)
     return path
 
 

@@ -43,7 +43,14 @@ def add_train_args(p: argparse.ArgumentParser):
                    help="seeds the init, the batches and the gates' noise (default: %(default)s)")
     g.add_argument("--device", default=run.device,
                    help="auto (CUDA when there is one), cpu, cuda or cuda:N (default: %(default)s)")
-    g.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt up to --steps")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --out (any process count wrote it) up to --steps")
+    g.add_argument("--resume-from", default=None, metavar="PATH",
+                   help="continue from this checkpoint.pt or checkpoint/step-* folder instead (e.g. the previous one)")
+    g.add_argument("--save-every", type=int, default=run.save_every, metavar="N",
+                   help="also save a checkpoint every N steps; 0: at the end and on SIGINT/SIGTERM (default: %(default)s)")
+    g.add_argument("--keep", type=int, default=run.keep, metavar="N",
+                   help="checkpoints kept: the newest and N - 1 before it (default: %(default)s)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (the MoE layers trace whole)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--nproc", type=int, default=1,
@@ -54,11 +61,16 @@ def add_train_args(p: argparse.ArgumentParser):
 
 
 def relaunch_with_torchrun(nproc: int) -> int:
-    """`fmoe train --nproc N ...` on one machine: the same command on N ranks through torchrun."""
+    """`fmoe train --nproc N ...` on one machine: the same command on N ranks through torchrun.
+
+    torchrun runs in its own session and is told SIGTERM when this process dies (it then stops its
+    ranks, which save); SIGINT and SIGTERM sent here are forwarded to it once.
+    """
+    import signal
     import subprocess
 
-    if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    from fmoe.train import end_with_parent
+
     # torchrun would read --nproc as an abbreviation of its own --nproc-per-node: leave it out.
     argv, skip = [], False
     for arg in sys.argv[1:]:
@@ -70,13 +82,49 @@ def relaunch_with_torchrun(nproc: int) -> int:
             argv.append(arg)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "fmoe.cli", *argv]
-    return subprocess.call(cmd)
+    child = subprocess.Popen(cmd, start_new_session=True, preexec_fn=end_with_parent)
+    received = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 130 if received else status
+
+
+def check_train_args(args):
+    """What argparse cannot see: finite floats, and process counts that fit together."""
+    import math
+
+    for name in ("aux_coef", "lr"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number {'>' if name == 'lr' else '>='} 0, "
+                             f"got {value!r}")
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.ep_size < 1:
+        raise ValueError(f"--ep-size must be >= 1, got {args.ep_size}")
+    if args.nproc > 1 and args.nproc % args.ep_size:
+        raise ValueError(f"--ep-size ({args.ep_size}) must divide --nproc ({args.nproc})")
+    from fmoe.train import launched_by_torchrun
+
+    if args.nproc == 1 and args.ep_size > 1 and not launched_by_torchrun():
+        raise ValueError(f"--ep-size {args.ep_size} needs several processes: add --nproc {args.ep_size} "
+                         "(or a multiple of it)")
 
 
 def run_train(args):
     from fmoe.gpt import GPTConfig
-    from fmoe.train import TrainConfig, launched_by_torchrun, train
+    from fmoe.train import Interrupted, TrainConfig, launched_by_torchrun, train
 
+    check_train_args(args)
     if args.nproc != 1 and not launched_by_torchrun():
         return relaunch_with_torchrun(args.nproc)
 
@@ -85,8 +133,16 @@ def run_train(args):
                           aux_coef=args.aux_coef)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
                       data=args.data, out=args.out, resume=args.resume, ep_size=args.ep_size,
+                      save_every=args.save_every, keep=args.keep, resume_from=args.resume_from,
                       compile=args.compile)
-    r = train(cfg, model_cfg, progress=not args.no_progress)
+    try:
+        r = train(cfg, model_cfg, progress=not args.no_progress)
+    except Interrupted:
+        if launched_by_torchrun():      # saved; leave before gloo's teardown (see report_and_exit)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        raise
     if launched_by_torchrun():
         report_and_exit(r)
     print_report(r)
@@ -195,7 +251,7 @@ def main(argv=None) -> int:
     run = COMMANDS[args.command][2]
     try:
         status = run(args)
-    except (ValueError, FloatingPointError) as err:     # bad input or a diverged run: one line, not a traceback
+    except (ValueError, FloatingPointError, OSError) as err:     # bad input, a diverged run, a failed write
         parser.exit(2, f"fmoe {args.command}: error: {err}\n")
     except KeyboardInterrupt:
         return 130

@@ -56,7 +56,8 @@ def read_capped(files: List[Path], max_bytes: int) -> Tuple[bytes, int, bool]:
     """The files' bytes joined, at most `max_bytes`; also how many files were read and whether it was cut."""
     chunks, total = [], 0
     for i, path in enumerate(files):
-        chunk = path.read_bytes()[:max_bytes - total]
+        with open(path, "rb") as f:        # only what is kept: a big file is never read whole
+            chunk = f.read(max_bytes - total)
         chunks.append(chunk)
         total += len(chunk)
         if total >= max_bytes:

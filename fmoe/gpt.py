@@ -1,4 +1,5 @@
 """A small byte-level GPT whose feed-forward blocks are `FMoETransformerMLP`: the model `fmoe train` trains."""
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,8 +33,9 @@ class GPTConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
-        if self.aux_coef < 0:
-            raise ValueError(f"aux_coef must be >= 0, got {self.aux_coef!r}")
+        if (not isinstance(self.aux_coef, (int, float)) or isinstance(self.aux_coef, bool)
+                or not math.isfinite(self.aux_coef) or self.aux_coef < 0):
+            raise ValueError(f"aux_coef must be a finite number >= 0, got {self.aux_coef!r}")
 
 
 class CausalSelfAttention(nn.Module):

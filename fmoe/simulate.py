@@ -21,6 +21,7 @@ import tempfile
 
 import torch
 
+from fmoe.files import save_figure, write_json
 from fmoe.perfmodel import PerfModel, calibrate
 
 STRATEGIES = ("plain", "shadow", "schedule", "both")
@@ -87,7 +88,7 @@ def plot(rows: List[dict], distributions: List[str], path: Path):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(path, fig, dpi=110)
     plt.close(fig)
 
 
@@ -143,7 +144,7 @@ def compare(bench_json: Path, flops: float, net_bw: float, out: Path) -> dict:
     print(f"R^2 = {r2:.3f} over {len(points)} points")
     out.mkdir(parents=True, exist_ok=True)
     result = {"bench": str(bench_json), "flops": flops, "net_bandwidth": net_bw, "r_squared": r2, "points": points}
-    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out / "compare.json", result, indent=2)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -159,7 +160,7 @@ def compare(bench_json: Path, flops: float, net_bw: float, out: Path) -> dict:
     ax.set_title(f"fmoe simulate vs bench_shadow, R^2 = {r2:.3f}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "compare.png", dpi=110)
+    save_figure(out / "compare.png", fig, dpi=110)
     plt.close(fig)
     print(f"wrote {out / 'compare.json'} and {out / 'compare.png'}")
     return result
@@ -236,8 +237,7 @@ def run(args) -> List[dict]:
     paper = paper_rows(args, model, min(args.group_size, 8)) if args.paper else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "simulate.json").write_text(json.dumps({"config": vars(args), "results": rows, "paper": paper},
-                                                  indent=2) + "\n")
+    write_json(out / "simulate.json", {"config": vars(args), "results": rows, "paper": paper}, indent=2)
     plot(rows, args.dist, out / "simulate.png")
     print(f"wrote {out / 'simulate.json'} and {out / 'simulate.png'}")
     return rows

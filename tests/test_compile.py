@@ -6,7 +6,6 @@ generation adds minutes of C++ compiling per case on a CPU and is left to the be
 """
 import contextlib
 import copy
-import os
 
 import pytest
 import torch

@@ -3,6 +3,7 @@ from pathlib import Path
 from typing import List
 
 from fmoe.bench.workload import Point
+from fmoe.files import save_figure
 
 MARKERS = "osv^DPX*h"
 AXIS_TITLES = {"num_expert": "experts", "tokens": "tokens", "d_model": "d_model", "top_k": "top-k",
@@ -86,6 +87,6 @@ def plot_sweep(axis: str, entries: List[dict], names: List[str], peak: float, ti
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(path, fig, dpi=110)
     plt.close(fig)
     return path

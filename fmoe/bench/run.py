@@ -9,7 +9,6 @@ Writes <out>/gflops-<device>.json and the plots gflops-<device>-num_expert.png a
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import platform
 import re
@@ -25,6 +24,7 @@ from fmoe.bench.flops import peak_flops
 from fmoe.bench.measure import peak_memory, saved_bytes, time_interleaved
 from fmoe.bench.report import describe, plot_sweep, summary_lines
 from fmoe.bench.workload import Point, imbalance, make_workload
+from fmoe.files import write_json
 
 BASE = Point(tokens=2048, d_model=512, d_hidden=2048, num_expert=8, top_k=2)
 SWEEPS = {"num_expert": [1, 2, 4, 8, 16, 32, 64], "tokens": [256, 512, 1024, 2048, 4096, 8192],
@@ -259,7 +259,7 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tag = device_tag(device)
     json_path = out / f"gflops-{tag}.json"
-    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    write_json(json_path, payload, indent=2)
 
     print("\n".join(summary_lines(payload, entries[base], shown)))
     written = [json_path]

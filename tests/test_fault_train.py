@@ -1,0 +1,379 @@
+"""Faults injected into `fmoe train` and its file writes: full disks, kills, signals at every phase of a
+step, corrupt / truncated / empty / foreign checkpoints, invalid options. Signals are sent by the
+FMOE_FAULT test hook at a chosen phase, so every case is deterministic."""
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fmoe import checkpoints, files
+from fmoe.checkpoints import CheckpointError
+from fmoe.cli import main
+from fmoe.data import load_corpus
+from fmoe.train import harmonic_mean
+
+TINY = ["--d-model", "16", "--layers", "1", "--heads", "1", "--seq-len", "16", "--num-expert", "2",
+        "--d-hidden", "16", "--batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(200)))
+    return path
+
+
+def train(corpus, out, steps, *extra):
+    return main(["train", *TINY, "--steps", str(steps), "--data", str(corpus), "--out", str(out), "--no-progress",
+                 *extra])
+
+
+def losses(out):
+    return json.loads((out / "history.json").read_text())["loss"]
+
+
+@pytest.fixture(scope="module")
+def straight(corpus, tmp_path_factory):
+    """An uninterrupted 4-step run: the losses every resumed run must reproduce."""
+    out = tmp_path_factory.mktemp("straight")
+    assert train(corpus, out, 4, "--gate", "noisy") == 0
+    return losses(out)
+
+
+# --- atomic writes ---------------------------------------------------------------------------------
+
+class FullDisk:
+    """A file whose writes fail with ENOSPC after `room` bytes, as on a full disk."""
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+@pytest.mark.parametrize("save", [lambda p: files.write_json(p, {"x": list(range(10_000))}),
+                                  lambda p: files.save_torch(p, {"w": torch.randn(10_000)})], ids=["json", "torch"])
+def test_atomic_write_on_full_disk_reports_path_and_keeps_previous_file(tmp_path, monkeypatch, save):
+    path = tmp_path / "out.bin"
+    path.write_bytes(b"previous")
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(files.os, "fdopen", lambda fd, mode: FullDisk(real_fdopen(fd, mode), room=1000))
+    with pytest.raises(files.WriteError, match=f"could not write {path}.*disk full"):
+        save(path)
+    assert path.read_bytes() == b"previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]        # no temporary file left
+
+
+def test_atomic_write_killed_midway_leaves_previous_file(tmp_path):
+    path = tmp_path / "history.json"
+    path.write_text('{"old": true}')
+    code = ("import os, signal, sys; from fmoe.files import write_atomic\n"
+            "def half(f): f.write(b'{\"new\": '); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+            "write_atomic(sys.argv[1], half)")
+    result = subprocess.run([sys.executable, "-c", code, str(path)], timeout=120)
+    assert result.returncode == -signal.SIGKILL
+    assert json.loads(path.read_text()) == {"old": True}
+
+
+def test_atomic_write_gives_plain_file_mode(tmp_path):
+    files.write_text(tmp_path / "a.txt", "x")
+    plain = tmp_path / "b.txt"
+    plain.write_text("x")
+    assert (tmp_path / "a.txt").stat().st_mode == plain.stat().st_mode
+
+
+# --- corrupt checkpoints ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def run_with_previous(corpus, tmp_path_factory):
+    """A finished 3-step run, saved at step 2 and 3: checkpoint.pt and checkpoint.prev.pt."""
+    out = tmp_path_factory.mktemp("run")
+    assert train(corpus, out, 3, "--save-every", "2") == 0
+    return out
+
+
+def damaged_copy(src, dst, damage):
+    data = bytearray(src.read_bytes())
+    dst.write_bytes(damage(data))
+    return dst
+
+
+def flip_at(fraction):
+    def flip(data):
+        i = int(len(data) * fraction)
+        data[i] ^= 0xFF
+        return bytes(data)
+    return flip
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (flip_at(0.3), "corrupt"), (flip_at(0.7), "corrupt"), (flip_at(0.9), "corrupt"),
+    (lambda d: bytes(d[:len(d) // 2]), "truncated or corrupt"),
+    (lambda d: b"", "is empty"),
+    (lambda d: b"hello, not a checkpoint", "truncated or corrupt"),
+], ids=["flip30", "flip70", "flip90", "truncated", "empty", "garbage"])
+def test_corrupt_checkpoint_is_refused_naming_file_and_previous(run_with_previous, tmp_path, damage, problem):
+    prev = run_with_previous / "checkpoint.prev.pt"
+    assert checkpoints.load_file(prev)["step"] == 2
+    bad = damaged_copy(run_with_previous / "checkpoint.pt", tmp_path / "checkpoint.pt", damage)
+    (tmp_path / "checkpoint.prev.pt").write_bytes(prev.read_bytes())
+    with pytest.raises(CheckpointError, match=problem) as err:
+        checkpoints.load_file(bad)
+    message = str(err.value)
+    assert str(bad) in message and f"--resume-from {tmp_path / 'checkpoint.prev.pt'}" in message
+
+
+def test_corrupt_foreign_checkpoint_is_refused(tmp_path):
+    torch.save({"model": {}, "step": 3}, tmp_path / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="not an fmoe train checkpoint"):
+        checkpoints.load_file(tmp_path / "checkpoint.pt")
+    torch.save([1, 2], tmp_path / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="not an fmoe checkpoint"):
+        checkpoints.load_file(tmp_path / "checkpoint.pt")
+
+
+def test_corrupt_checkpoint_on_resume_is_one_line_and_resume_from_previous_works(run_with_previous, tmp_path,
+                                                                                 corpus, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    damaged_copy(run_with_previous / "checkpoint.pt", out / "checkpoint.pt", flip_at(0.7))
+    (out / "checkpoint.prev.pt").write_bytes((run_with_previous / "checkpoint.prev.pt").read_bytes())
+    with pytest.raises(SystemExit) as exit_info:
+        train(corpus, out, 4, "--resume")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'checkpoint.pt'} is corrupt" in err and "--resume-from" in err
+    assert train(corpus, out, 4, "--resume-from", str(out / "checkpoint.prev.pt")) == 0
+    assert json.loads((out / "history.json").read_text())["step"] == [1, 2, 3, 4]
+
+
+# --- signals at every phase of a step --------------------------------------------------------------
+
+@pytest.mark.parametrize("phase, sig", [("forward", "SIGINT"), ("backward", "SIGTERM"), ("optimizer", "SIGINT"),
+                                        ("step", "SIGTERM")])
+def test_fault_signal_in_any_phase_saves_and_resumes_exactly(corpus, tmp_path, monkeypatch, straight, phase, sig):
+    out = tmp_path / "run"
+    monkeypatch.setenv("FMOE_FAULT", f"{phase}:2:{sig}")
+    assert train(corpus, out, 4, "--gate", "noisy") == 130
+    monkeypatch.delenv("FMOE_FAULT")
+    assert checkpoints.load_file(out / "checkpoint.pt")["step"] == 2       # the step in flight was finished
+    assert train(corpus, out, 4, "--gate", "noisy", "--resume") == 0
+    assert losses(out) == straight                                         # bit for bit
+
+
+def test_fault_signal_during_final_validation_saves_the_finished_run(corpus, tmp_path, monkeypatch, straight):
+    out = tmp_path / "run"
+    monkeypatch.setenv("FMOE_FAULT", "validation:4:SIGTERM")
+    assert train(corpus, out, 4, "--gate", "noisy") == 130
+    state = checkpoints.load_file(out / "checkpoint.pt")
+    assert state["step"] == 4 and len(state["history"]["val_loss"]) == 1 and losses(out) == straight
+
+
+def test_fault_abort_inside_step_rolls_back_then_resumes_exactly(corpus, tmp_path, monkeypatch, straight):
+    """A KeyboardInterrupt raised inside a step (a second Ctrl-C) before the update: the step is undone."""
+    from fmoe import train as train_module
+
+    real = train_module.lr_at
+
+    def ctrl_c_at_step_3(step, total, peak):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real(step, total, peak)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train_module, "lr_at", ctrl_c_at_step_3)
+        assert train(corpus, tmp_path, 4, "--gate", "noisy") == 130
+    assert checkpoints.load_file(tmp_path / "checkpoint.pt")["step"] == 2
+    assert train(corpus, tmp_path, 4, "--gate", "noisy", "--resume") == 0
+    assert losses(tmp_path) == straight
+
+
+def test_harmonic_mean_of_no_steps_is_zero():
+    assert harmonic_mean([]) == 0.0 and harmonic_mean([2.0, 2.0]) == 2.0
+
+
+# --- kills -----------------------------------------------------------------------------------------
+
+def fmoe_cmd(corpus, out, steps, *extra):
+    return [sys.executable, "-m", "fmoe.cli", "train", *TINY, "--steps", str(steps), "--data", str(corpus),
+            "--out", str(out), "--no-progress", *extra]
+
+
+def test_kill_at_a_random_instant_leaves_a_checkpoint_to_resume(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(fmoe_cmd(corpus, out, 400, "--save-every", "1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    while not (out / "checkpoint.pt").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(float(torch.rand(1)) * 0.5)      # any instant: training, or writing a checkpoint
+    proc.kill()
+    proc.wait()
+    step = checkpoints.load_file(out / "checkpoint.pt")["step"]
+    assert json.loads((out / "history.json").read_text())["step"][-1] >= step - 1
+    assert train(corpus, out, step + 1, "--resume") == 0
+
+
+def ranks_of(out):
+    """Processes whose command line names this run's folder, but not this test process."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if str(out) in cmdline and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found
+
+
+def test_kill_of_the_launcher_ends_its_ranks_which_save(corpus, tmp_path):
+    """SIGKILL of `fmoe train --nproc 2`'s process group: torchrun and the ranks are told, save a step
+    folder and end; the 2-process checkpoint then resumes in one process."""
+    out = tmp_path / "ep"
+    proc = subprocess.Popen(fmoe_cmd(corpus, out, 400, "--nproc", "2", "--ep-size", "2", "--save-every", "1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (out / "checkpoint" / "latest").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert (out / "checkpoint" / "latest").exists()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    while ranks_of(out) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ranks_of(out) == []
+    folder = checkpoints.load_folder(out / "checkpoint")
+    assert len(checkpoints.step_folders(out / "checkpoint")) <= 2       # --keep 2
+    step = checkpoints.read_torch(folder / "trainer.pt")["step"]
+    assert train(corpus, out, step + 1, "--resume") == 0
+
+
+def test_kill_during_sharded_save_and_signal_under_nproc(corpus, tmp_path):
+    """Rank 1 gets SIGTERM in its backward at step 2: both ranks finish step 2 and save. Then rank 0 is
+    killed inside the save of step 4: `latest` still names step 2, whole; a flipped byte in a shard is found."""
+    out = tmp_path / "ep"
+    env = {**os.environ, "FMOE_FAULT": "backward:2:SIGTERM:1"}
+    first = subprocess.run(fmoe_cmd(corpus, out, 6, "--nproc", "2", "--ep-size", "2"), env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode != 0 and "interrupted at step 2" in first.stdout, first.stderr[-3000:]
+    root = out / "checkpoint"
+    assert checkpoints.latest_folder(root).name == "step-00000002"
+    env["FMOE_FAULT"] = "save:4:SIGKILL:0"
+    second = subprocess.run(fmoe_cmd(corpus, out, 6, "--nproc", "2", "--ep-size", "2", "--resume", "--save-every",
+                                     "2"), env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode != 0
+    folder = checkpoints.load_folder(root)
+    assert folder.name == "step-00000002"
+    assert checkpoints.read_torch(folder / "trainer.pt")["step"] == 2
+
+    shard = next(folder.glob("*.distcp"))
+    damaged_copy(shard, shard, flip_at(0.5))
+    with pytest.raises(CheckpointError, match=f"{shard} is corrupt or truncated"):
+        checkpoints.load_folder(root)
+
+
+# --- invalid options and inputs ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, named", [
+    (["--aux-coef", "nan"], "--aux-coef"), (["--aux-coef", "-1"], "--aux-coef"), (["--lr", "inf"], "--lr"),
+    (["--ep-size", "2"], "--ep-size 2 needs several processes"), (["--nproc", "3", "--ep-size", "2"], "--ep-size"),
+    (["--save-every", "-1"], "--save-every"), (["--keep", "0"], "--keep"),
+])
+def test_invalid_train_option_is_refused_naming_it(corpus, tmp_path, capsys, args, named):
+    with pytest.raises(SystemExit) as exit_info:
+        train(corpus, tmp_path, 2, *args)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_invalid_fault_spec_is_named(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FMOE_FAULT", "sideways:1:SIGINT")
+    with pytest.raises(SystemExit):
+        train(corpus, tmp_path, 2)
+    assert "FMOE_FAULT" in capsys.readouterr().err
+
+
+def test_bad_input_big_data_file_is_read_only_as_far_as_kept(tmp_path, monkeypatch):
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"x = 1\n" * 200_000)
+    reads = []
+    real_open = open
+
+    class Spy:
+        def __init__(self, f):
+            self.f = f
+
+        def read(self, n=-1):
+            reads.append(n)
+            return self.f.read(n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    import fmoe.data
+    monkeypatch.setattr(fmoe.data, "open", lambda *a, **k: Spy(real_open(*a, **k)), raising=False)
+    corpus = load_corpus(str(big), seq_len=16, max_bytes=10_000)
+    assert corpus.num_bytes == 10_000 and corpus.truncated
+    assert all(0 <= n <= 10_000 for n in reads)
+
+
+# --- a one-process checkpoint on expert-parallel ranks --------------------------------------------------
+
+def _load_full_on_rank(rank, world, state_file):
+    from types import SimpleNamespace
+
+    from fmoe.distributed.groups import make_groups
+    from fmoe.gpt import GPT, GPTConfig
+    from fmoe.train import TrainConfig, Trainer, make_optimizer
+
+    state = torch.load(state_file, weights_only=True)
+    cfg = GPTConfig(**state["model_config"])
+    groups = make_groups(world)
+    model = GPT(cfg, world, groups.moe_group)
+    optimizer = make_optimizer(model, TrainConfig())
+    Trainer.load_full_state_into_shard(SimpleNamespace(model=model, optimizer=optimizer), state)
+    e = cfg.num_expert // world
+    full_params = state["model"]
+    names = {p: n for n, p in model.named_parameters()}
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]     # the optimizer's indices
+    for i, p in enumerate(ordered):
+        name = names[p]
+        expected = full_params[name]
+        if ".experts." in name:
+            expected = expected[rank * e:(rank + 1) * e]
+        assert torch.equal(p.detach(), expected), name
+        saved = state["optimizer"]["state"][i]["exp_avg"]
+        if ".experts." in name:
+            saved = saved[rank * e:(rank + 1) * e]
+        assert torch.equal(optimizer.state[p]["exp_avg"], saved), name
+    assert len(ordered) == len(state["optimizer"]["state"])
+
+
+def test_fault_free_one_process_checkpoint_loads_on_expert_parallel_ranks(run_with_previous):
+    from tests.dist_utils import run_ranks
+
+    state = checkpoints.load_file(run_with_previous / "checkpoint.pt")
+    path = run_with_previous / "plain-state.pt"
+    torch.save(state, path)
+    run_ranks(_load_full_on_rank, 2, str(path))
