@@ -17,6 +17,7 @@ from fmoe.data import BatchSampler, load_corpus
 from fmoe.distributed import checkpoint as sharded
 from fmoe.distributed.ddp import DistributedGroupedDataParallel, clip_grad_norm_
 from fmoe.distributed.groups import make_groups
+from fmoe.distributed.timeout import collective_timeout
 from fmoe.files import WriteError, save_figure, save_torch, write_json
 from fmoe.gpt import GPT, GPTConfig
 from fmoe.layer import collect_aux_loss
@@ -89,7 +90,8 @@ def init_distributed(cfg: TrainConfig):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # Every collective of the run is bounded (FMOE_COLLECTIVE_TIMEOUT): a stopped rank fails the others.
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=collective_timeout())
     world = dist.get_world_size()
     if world % cfg.ep_size:
         raise ValueError(f"--ep-size ({cfg.ep_size}) must divide the number of processes ({world})")

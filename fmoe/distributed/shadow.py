@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
+from fmoe.distributed import timeout
 from fmoe.env import env_flag
 from fmoe.perfmodel import PerfModel
 
@@ -115,7 +116,7 @@ class _Link:
 
     def wait(self):
         for w in self.works:
-            w.wait()
+            timeout.wait(w, f"{timeout.current_layer()}: shadowed experts' parameter pull / gradient push")
         self.works = []
 
 
