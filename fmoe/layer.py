@@ -119,7 +119,7 @@ class FMoE(nn.Module):
         y_ND = self.run_experts(x_ND, plan)
         y_TD = kernels.unpermute(y_ND, plan, routing.weight_TK, self.backend)
         self.record(routing, plan)
-        return y_TD.reshape(x.shape)
+        return y_TD if x.dim() == 2 else y_TD.reshape(x.shape).clone()   # not a view: FSDP2 hooks the output
 
     def run_experts(self, x_ND, plan: RoutingPlan):
         """Rows in expert order -> expert outputs in the same order, wherever the experts live."""
