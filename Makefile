@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-megatron19 clean
 
 # The venv sees the system site-packages so an installed torch (CPU or CUDA) is reused,
 # never replaced by a multi-GB download.
@@ -21,5 +21,26 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q tests
 
+# megatron-core >= 0.17 declares Python >= 3.12 and ships cp312 wheels only, yet its Python code runs on 3.11
+# (its one compiled module serves Megatron's datasets, which fmoe does not use). So the wheel is unpacked into
+# a venv of its own, which sees the test venv's packages (fmoe, pytest) and the system's (torch) behind it;
+# `make test` keeps 0.16.1.
+MEGATRON19 ?= 0.19.2
+VENV19     := .venv-megatron19
+
+$(VENV19)/.installed: $(VENV)/.installed
+	rm -rf $(VENV19)
+	$(BIN)/python -m venv --system-site-packages $(VENV19)
+	$(BIN)/pip download 'megatron-core==$(MEGATRON19)' --no-deps --only-binary=:all: --python-version 3.12 -d $(VENV19)/wheels
+	site=$$($(VENV19)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	  $(BIN)/python -m zipfile -e $(VENV19)/wheels/megatron_core-$(MEGATRON19)-*.whl $$site && \
+	  echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+	    > $$site/zz-fmoe-test-venv.pth
+	$(VENV19)/bin/python -c "import megatron.core as m; assert m.__version__.split('+')[0] == '$(MEGATRON19)', m.__version__"
+	touch $@
+
+test-megatron19: $(VENV19)/.installed
+	$(VENV19)/bin/python -m pytest -q tests/test_megatron*.py
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VENV19) runs

@@ -253,7 +253,8 @@ class FMoE(nn.Module):
         if self.slice_group is not None:
             y_TD = [gather_rows(t, self.slice_group) for t in y_TD]
         self.record(routing, plan)
-        out = [t.reshape(*lead, t.shape[-1]) for t in y_TD]
+        # Not a view of the rows: FSDP2 hooks the output.
+        out = [t if len(lead) == 1 else t.reshape(*lead, t.shape[-1]).clone() for t in y_TD]
         return out[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(out, tree_flatten(y_ND)[1])
 
     def token_mask(self, x_TD):

@@ -3,7 +3,8 @@
 One 2-rank run does every stage and writes what it saw; the tests below read it:
   1. expert parallel 2: 6 training steps (gshard gate: capacity, random routing, balance loss),
      a checkpoint at step 3, then a fresh model resumed from it for steps 4-6;
-  2. the MegatronMLP of a GPT layer against a standalone FMoETransformerMLP with its weights;
+  2. the MegatronMLP of a GPT layer against a standalone FMoETransformerMLP with its weights, and
+     with a padding mask against the layer run on the real tokens alone;
   3. one model trained at three layouts from the same checkpoint, the expert gradients reduced by
      Megatron's DDP each time: expert parallel 2 (data parallel 2), data parallel 2 with all experts
      on each rank (built with fmoefy, 2 microbatches a step), tensor parallel 2 + sequence parallel
@@ -146,6 +147,36 @@ def stage_mlp_matches_fmoe():
     return {"diffs": diffs, "bias": bias is None, "aux_loss": standalone.aux_loss.item(), "bad_count": bad_count}
 
 
+def stage_padding_mask():
+    """Padded tokens (different ones on each rank) go to no expert and get zeros; the real tokens' outputs
+    and gradients equal the layer run on the real tokens alone."""
+    from megatron.core import parallel_state
+
+    set_layout(1, 2)
+    mlp = gpt(2, gate_kwargs={"random_routing": False, "capacity": None}).decoder.layers[0].mlp.eval()
+    g = torch.Generator().manual_seed(11 + parallel_state.get_expert_model_parallel_rank())
+    x_SBH = torch.randn(SEQ, 2, HIDDEN, generator=g)
+    padding_BS = torch.rand(2, SEQ, generator=g) < 0.3
+    w = torch.randn(x_SBH.shape, generator=g)
+    x_m, x_s = x_SBH.clone().requires_grad_(), x_SBH.clone().requires_grad_()
+    out, _ = mlp(x_m, padding_mask=padding_BS)
+    (out * w).sum().backward()
+    routed = mlp.moe.last_counts_E.sum().item()
+    keep_SB = ~padding_BS.t()
+    mlp.zero_grad()
+    alone = mlp.moe(x_s[keep_SB])
+    (alone * w[keep_SB]).sum().backward()
+    try:
+        mlp(x_SBH, padding_mask=padding_BS.t())
+        bad_shape = "no error"
+    except ValueError as err:
+        bad_shape = str(err)
+    return {"padded_out": out[~keep_SB].abs().max().item(), "padded_grad": x_m.grad[~keep_SB].abs().max().item(),
+            "out": (out[keep_SB] - alone).abs().max().item(),
+            "grad": (x_m.grad[keep_SB] - x_s.grad[keep_SB]).abs().max().item(),
+            "routed": routed, "expected_routed": 2 * int(keep_SB.sum()), "bad_shape": bad_shape}
+
+
 def stage_layouts(ckpt):
     """Save after one step at expert parallel 2, then train 3 more steps at each layout from there."""
     from fmoe.megatron import training
@@ -168,6 +199,7 @@ def worker(rank, world_size, out_dir):
 
     result = {"train_and_resume": stage_train_and_resume(os.path.join(out_dir, "ckpt_resume")),
               "mlp": stage_mlp_matches_fmoe(),
+              "padding": stage_padding_mask(),
               "layouts": stage_layouts(os.path.join(out_dir, "ckpt_layouts"))}
     parallel_state.destroy_model_parallel()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -208,6 +240,15 @@ def test_megatron_mlp_equals_standalone_fmoe_layer(runs):
         assert mlp["bias"] and mlp["aux_loss"] > 0
         assert max(mlp["diffs"].values()) < 1e-5, mlp["diffs"]
         assert "num_experts must be a positive multiple of the expert parallel size 2" in mlp["bad_count"]
+
+
+def test_padding_mask_routes_padded_tokens_nowhere(runs):
+    for rank_runs in runs:
+        pad = rank_runs["padding"]
+        assert pad["padded_out"] == 0 and pad["padded_grad"] == 0, pad
+        assert pad["out"] < 1e-6 and pad["grad"] < 1e-6, pad
+        assert pad["routed"] == pad["expected_routed"], pad
+        assert "padding_mask must be [batch, seq]" in pad["bad_shape"], pad
 
 
 def test_layouts_train_alike_from_one_checkpoint(runs):

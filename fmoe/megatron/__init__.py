@@ -23,9 +23,9 @@ from fmoe.megatron.patch import patch_forward_step, patch_model_provider
 from fmoe.megatron.spec import fmoe_mlp_spec, get_gpt_layer_with_fmoe_spec
 from fmoe.megatron.utils import add_fmoe_args
 
-TESTED_MEGATRON_CORE = ("0.16.1",)
+TESTED_MEGATRON_CORE = ("0.16.1", "0.19.2")
 
-if megatron.core.__version__ not in TESTED_MEGATRON_CORE:
+if megatron.core.__version__.split("+")[0] not in TESTED_MEGATRON_CORE:
     warnings.warn(f"fmoe.megatron is tested with megatron-core {', '.join(TESTED_MEGATRON_CORE)}; "
                   f"this is {megatron.core.__version__}")
 

@@ -47,8 +47,11 @@ class MegatronMLP(MegatronModule):
 
     def __init__(self, config: TransformerConfig, num_experts: Optional[int] = None, top_k: Optional[int] = None,
                  gate="naive", gate_kwargs: Optional[dict] = None, aux_loss_coeff: Optional[float] = None,
-                 ffn_hidden_size: Optional[int] = None, backend: Optional[str] = None):
+                 ffn_hidden_size: Optional[int] = None, backend: Optional[str] = None, pg_collection=None,
+                 is_mtp_layer: bool = False, name: Optional[str] = None):
+        # pg_collection, is_mtp_layer and name are what megatron-core >= 0.17 passes every MLP builder.
         super().__init__(config=config)
+        self.name = name
         require_parallel_state("MegatronMLP")
         num_experts = num_experts if num_experts is not None else config.num_moe_experts
         if num_experts is None:
@@ -73,7 +76,11 @@ class MegatronMLP(MegatronModule):
         self.aux_loss_coeff = aux_loss_coeff
         self.layer_number = None
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        ep_group = parallel_state.get_expert_model_parallel_group() if self.ep_size > 1 else None
+        ep_group = getattr(pg_collection, "ep", None) or parallel_state.get_expert_model_parallel_group()
+        if ep_group.size() != self.ep_size:
+            raise ValueError(f"pg_collection.ep has {ep_group.size()} ranks, Megatron's parallel state's expert "
+                             f"parallel size is {self.ep_size}")
+        ep_group = ep_group if self.ep_size > 1 else None
         use_cuda = torch.cuda.is_available()
         with torch.device(torch.cuda.current_device() if use_cuda else "cpu"):
             self.moe = FMoE(num_expert=num_experts // self.ep_size, d_model=config.hidden_size, world_size=self.ep_size,
@@ -114,21 +121,37 @@ class MegatronMLP(MegatronModule):
         self.layer_number = layer_number
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        if padding_mask is not None:
-            raise NotImplementedError("MegatronMLP routes every token: padding_mask is not supported")
+        """hidden_states [s, b, h]; `padding_mask` [b, s], True at padding (Megatron's convention): padded
+        tokens are routed to no expert, output zeros and count in no balance loss."""
         if self.training and self.tp_size > 1 and not self.config.sequence_parallel:
             raise ValueError("MegatronMLP with tensor parallelism needs sequence_parallel=True in the "
                              "TransformerConfig, as Megatron's own MoE does")
-        output = self.moe(hidden_states)
+        if padding_mask is None:
+            output = self.moe(hidden_states)
+            num_tokens = hidden_states.shape[0] * hidden_states.shape[1]
+        else:
+            keep_SB = self.real_tokens(hidden_states, padding_mask)
+            output = torch.zeros_like(hidden_states).masked_scatter(keep_SB[..., None],
+                                                                    self.moe(hidden_states[keep_SB]))
+            num_tokens = keep_SB.sum()
         aux = self.moe.aux_loss
         if self.training and torch.is_grad_enabled() and self.aux_loss_coeff and aux is not None and aux.requires_grad:
             save_to_aux_losses_tracker("load_balancing_loss", aux, self.layer_number, self.config.num_layers)
             scaled = self.aux_loss_coeff * aux
             if self.config.calculate_per_token_loss:
                 # The main loss is then a sum over tokens, divided by the global token count later.
-                scaled = scaled * hidden_states.shape[0] * hidden_states.shape[1]
+                scaled = scaled * num_tokens
             output = MoEAuxLossAutoScaler.apply(output, scaled)
         return output, None
+
+    @staticmethod
+    def real_tokens(hidden_states: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+        """[s, b] True where a token is not padding."""
+        if padding_mask.dim() != 2 or padding_mask.shape[::-1] != hidden_states.shape[:2]:
+            raise ValueError(f"padding_mask must be [batch, seq] = {tuple(hidden_states.shape[1::-1])} for "
+                             f"hidden_states [seq, batch, hidden] = {tuple(hidden_states.shape)}, "
+                             f"got {tuple(padding_mask.shape)}")
+        return ~padding_mask.transpose(0, 1).bool()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Experts stored by global expert id (axis 0 of the stacked weights, split over the

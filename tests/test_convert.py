@@ -1,0 +1,94 @@
+"""fmoe convert: fmoe <-> Megatron-Core checkpoints, exact round trips at EP 1, 2 and 4, nothing dropped."""
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import fmoe
+from fmoe.cli import main
+from fmoe.convert import MEGATRON_FILE, convert, read, single_process
+from fmoe.distributed.checkpoint import save_checkpoint
+
+D, H, EXPERTS = 8, 12, 4
+
+
+class Block(nn.Module):
+    def __init__(self, activation, gate):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.moe = fmoe.FMoETransformerMLP(num_expert=EXPERTS, d_model=D, d_hidden=H, activation=activation, gate=gate)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """An fmoe checkpoint (two MoE layers: gelu with the naive gate, swiglu with the noisy one) and an
+    optimizer state, which is not converted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block("gelu", "naive"), Block("swiglu", "noisy"))
+    opt = torch.optim.Adam(model.parameters())
+    sum(p.sum() for p in model.parameters()).backward()
+    opt.step()
+    path = str(tmp_path_factory.mktemp("convert") / "fmoe")
+    save_checkpoint(path, model, opt)
+    return path, model
+
+
+def model_tensors(path):
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith("model/")}
+    with single_process():
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state
+
+
+@pytest.mark.parametrize("ep_size", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["sequential", "grouped"])
+def test_round_trip_through_megatron_is_exact(source, tmp_path, ep_size, layout):
+    src, model = source
+    counts = convert(src, str(tmp_path / "mcore"), "megatron", ep_size, layout)
+    assert counts["expert_tensors"] == 2 * 4 * EXPERTS and counts["layers"] == 2 and counts["not_converted"] > 0
+    convert(str(tmp_path / "mcore"), str(tmp_path / "back"), "fmoe")
+    before, after = model_tensors(src), model_tensors(str(tmp_path / "back"))
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+def test_megatron_layout_names_and_orientation(source, tmp_path):
+    src, model = source
+    assert main(["convert", src, str(tmp_path / "mcore"), "--to", "megatron", "--ep-size", "2"]) == 0
+    rank1 = torch.load(tmp_path / "mcore" / "iter_0000000" / "mp_rank_00_001" / MEGATRON_FILE)["model"]
+    experts = model[1].moe.experts
+    # Expert 3 is rank 1's local expert 1; Megatron stores fc1 as [F (x2 for swiglu), D], fc2 as [D, F].
+    assert torch.equal(rank1["1.experts.local_experts.1.linear_fc1.weight"], experts.w1_eDF[3].detach().t())
+    assert torch.equal(rank1["1.experts.local_experts.1.linear_fc2.weight"], experts.w2_eFD[3].detach().t())
+    assert torch.equal(rank1["0.router.weight"], model[0].moe.gate.gate.proj.weight.detach())
+    assert "1.router.fmoe_gate.w_noise" in rank1 and "0.norm.weight" in rank1
+    assert not any("local_experts.2." in k for k in rank1), "local ids run 0..1 on each of 2 ranks"
+
+
+def test_a_missing_expert_tensor_is_an_error(source, tmp_path):
+    src, _ = source
+    convert(src, str(tmp_path / "mcore"), "megatron", 2)
+    path = tmp_path / "mcore" / "iter_0000000" / "mp_rank_00_001" / MEGATRON_FILE
+    saved = torch.load(path)
+    del saved["model"]["0.experts.local_experts.1.linear_fc2.weight"]
+    torch.save(saved, path)
+    with pytest.raises(ValueError, match=r"layer 0.moe has 4 experts but no w2_eFD for expert\(s\) \[3\]"):
+        convert(str(tmp_path / "mcore"), str(tmp_path / "back"), "fmoe")
+    state = model_tensors(src)
+    del state["model/1.moe.experts.b1_eF@expert0"]
+    with single_process():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "partial")), no_dist=True)
+    with pytest.raises(ValueError, match=r"layer 1.moe has 4 experts but no b1_eF for expert\(s\) \[0\]"):
+        read(str(tmp_path / "partial")).check_whole("partial")
+
+
+def test_bad_arguments_fail_at_once(source, tmp_path):
+    src, _ = source
+    with pytest.raises(ValueError, match="--ep-size 3 must divide the 4 experts"):
+        convert(src, str(tmp_path / "x"), "megatron", 3)
+    with pytest.raises(ValueError, match="--to must be one of"):
+        convert(src, str(tmp_path / "x"), "hf")
+    with pytest.raises(ValueError, match="neither an fmoe checkpoint"):
+        convert(str(tmp_path), str(tmp_path / "x"), "fmoe")
