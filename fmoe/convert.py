@@ -28,6 +28,7 @@ import torch
 FORMATS = ("fmoe", "megatron")
 LAYOUTS = ("sequential", "grouped")
 FMOE_EXPERT = re.compile(r"^(?P<layer>.+)\.experts\.(?P<param>w1_eDF|w2_eFD|b1_eF|b2_eD)@expert(?P<g>\d+)$")
+USER_EXPERT = re.compile(r"\.experts\.\d+\.")     # a user expert module's tensor, by global id
 MEGATRON_FILE = "model_optim_rng.pt"
 LATEST = "latest_checkpointed_iteration.txt"
 # fmoe's per-expert tensor <-> Megatron's, and whether it is stored transposed.
@@ -105,7 +106,7 @@ def read_fmoe(path: str) -> MoECheckpoint:
         match = FMOE_EXPERT.match(name)
         if match:
             ckpt.add_expert(match["layer"], match["param"], int(match["g"]), tensor, path)
-        elif ".experts.experts." in name:
+        elif USER_EXPERT.search(name):
             raise ValueError(f"SRC {path!r}: {name} is a user expert module's tensor; only fmoe's stacked MLP "
                              "experts (d_hidden=...) convert")
         else:

@@ -218,7 +218,8 @@ class ModuleListExperts(nn.ModuleList):
         counts = counts_e.tolist()
         chunks = torch.split(x_ND, counts + [x_ND.shape[0] - sum(counts)])   # last: rows of dropped slots
         outs = [self.expert_forward(e, chunk) if chunk.shape[0] else chunk for e, chunk in enumerate(chunks[:-1])]
-        return torch.cat(outs + [torch.zeros_like(chunks[-1])], dim=0)
+        width = next((y.shape[-1] for y in outs if y.shape[0]), x_ND.shape[-1])
+        return torch.cat(outs + [x_ND.new_zeros(chunks[-1].shape[0], width)], dim=0)
 
     def expert_forward(self, e: int, x_TD):
         if self.with_count[e]:

@@ -38,7 +38,9 @@ def count_by_gate(gate, num_expert: int, world_size: int, require_pos: bool = Tr
             global_expert_count = local_expert_count
         else:
             global_expert_count = plan.exchange.recv_counts_We.reshape(-1)
-        return (plan.slot_N if require_pos else None), local_expert_count, global_expert_count
+        # One rank's plan gives dropped slots rows too (last, past every expert): FastMoE's pos has kept slots only.
+        pos = plan.slot_N[:int(local_expert_count.sum())] if require_pos else None
+        return pos, local_expert_count, global_expert_count
 
 
 def prepare_forward(gate, num_expert: int, world_size: int):
@@ -104,7 +106,8 @@ def general_global_forward(inp, gate, expert_fn, num_expert, world_size, **kwarg
     result has one row per slot (T * K), unweighted, zero for dropped slots (id -1).
     `kwargs` (FastMoE's `experts=`) are accepted and not needed."""
     plan = _plan(gate, num_expert, world_size)
-    token_N = plan.token_N
+    kept = int(plan.counts_E.sum())     # a one-rank plan also gives dropped slots rows, last: leave them out
+    token_N, slot_N = plan.token_N[:kept], plan.slot_N[:kept]
 
     def scatter(t):
         return exchange.dispatch(t.index_select(0, token_N), plan)
@@ -114,7 +117,7 @@ def general_global_forward(inp, gate, expert_fn, num_expert, world_size, **kwarg
     def gather(t):
         rows = exchange.combine(t, plan)
         out = rows.new_zeros((plan.num_tokens * plan.top_k,) + tuple(rows.shape[1:]))
-        return out.index_copy(0, plan.slot_N, rows)
+        return out.index_copy(0, slot_N, rows)
 
     return tree_map(gather, y)
 

@@ -27,16 +27,17 @@ def positive_int(name: str, value, meaning: str = "") -> int:
     return value
 
 
-def check_activation(activation, d_hidden: int):
-    """A callable activation must keep the hidden width, or the second GEMM fails far from the cause."""
+def check_activation(activation, width_in: int, d_hidden: int):
+    """A callable activation must map the first GEMM's width (d_hidden, or 2 * d_hidden for a gated
+    one) to d_hidden, or the second GEMM fails far from the cause."""
     if isinstance(activation, str):
         return
-    probe = torch.zeros(2, d_hidden)
+    probe = torch.zeros(2, width_in)
     out = activation(probe)
-    if not isinstance(out, torch.Tensor) or out.shape != probe.shape:
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, d_hidden):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"activation {activation!r} must keep its input's shape [rows, d_hidden={d_hidden}], "
-                         f"it turned (2, {d_hidden}) into {shape}")
+        raise ValueError(f"activation {activation!r} must turn the first projection's rows [rows, {width_in}] "
+                         f"into [rows, d_hidden={d_hidden}], it turned (2, {width_in}) into {shape}")
 
 
 def check_world(world_size, moe_group) -> int:
@@ -124,7 +125,7 @@ class FMoE(nn.Module):
             self.experts = ModuleListExperts(expert, num_expert, d_model)
         elif d_hidden is not None:
             self.experts = GroupedExperts(num_expert, d_model, d_hidden, activation, bias=expert_bias, backend=backend)
-            check_activation(self.experts.activation, d_hidden)
+            check_activation(self.experts.activation, self.experts.w1_eDF.shape[-1], d_hidden)
         else:
             self.experts = None     # FastMoE's fused pattern: the subclass assigns self.experts
         self.mask, self.mask_dict = check_mask(mask, mask_dict)

@@ -436,7 +436,7 @@ def test_every_gate_called_directly_returns_the_fastmoe_tuple():
     x = torch.randn(5, 8)
     for name, gate_cls in fmoe.gates.GATES.items():
         k = 1 if name == "switch" else 2
-        gate = gate_cls(8, 4, 1, top_k=k).eval()
+        gate = fmoe.gates.make_gate(name, 8, 4, 1, k).eval()
         idx, val = gate(x)
         r = gate.routing(x)
         assert torch.equal(idx, r.expert_idx_TK) and torch.equal(val, r.weight_TK), name
@@ -449,8 +449,10 @@ def test_every_gate_called_directly_returns_the_fastmoe_tuple():
 def test_gates_forward_without_host_reads(training):
     torch.manual_seed(0)
     x = torch.randn(24, 8, requires_grad=True)
-    gates = [gate_cls(8, 4, 1, top_k=1 if name == "switch" else 2, capacity=(0.5, 0.5)).train(training)
-             for name, gate_cls in fmoe.gates.GATES.items() if name != "noisy"]
+    gates = [fmoe.gates.make_gate(name, 8, 4, 1, 1 if name == "switch" else 2, capacity=(0.5, 0.5)).train(training)
+             for name, gate_cls in fmoe.gates.GATES.items()
+             if name != "noisy" and fmoe.gates.accepts_keyword(gate_cls, "capacity")]
+    gates += [fmoe.gates.make_gate(name, 8, 4, 1, 2).train(training) for name in ("dc",)]   # SWIPE moves tokens by host-side counts, as FastMoE does
     gates += [fmoe.NoisyGate(8, 4, 1, 2).train(training), fmoe.GShardGate(8, 4, capacity=None).train(training),
               fmoe.FasterGate(8, 2, 4, 0, gpus_per_node=2, outgoing_fraction=0.1).train(training),
               fmoe.gates.RouterGate.from_preset("deepseek_v3", 8, 8, top_k=2, n_group=4, topk_group=2),

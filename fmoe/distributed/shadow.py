@@ -12,7 +12,7 @@ is done and waited for at the end of the layer's backward: the autograd engine r
 newest first, so a node recorded before the dispatch runs after the rest of the layer's backward.
 Blocking (`overlap=False`) sends the same buffers and waits at once: the numbers are identical.
 
-Any expert module shadows: a module list (`ModuleListExperts`: expert i is `experts.experts[i]`)
+Any expert module shadows: a module list (`ModuleListExperts`: expert i is `experts[i]`)
 or stacked experts (every parameter [num_expert, ...], expert i its slice i, e.g. GroupedExperts
 with any activation). A remote expert with local index i has the shapes of this rank's expert i.
 """
@@ -66,9 +66,17 @@ class ShadowPolicy:
 
 # ---- which tensors are expert i, and how to run experts with pulled ones ----
 
+def expert_modules(experts: nn.Module, num_expert: int) -> Optional[nn.ModuleList]:
+    """One module per expert, when the experts are such a list (FastMoE's `expert=` classes are a
+    ModuleList themselves; other containers may hold one as `.experts`); else None."""
+    for inner in (experts, getattr(experts, "experts", None)):
+        if isinstance(inner, nn.ModuleList) and len(inner) == num_expert:
+            return inner
+    return None
+
+
 def is_module_list(experts: nn.Module, num_expert: int) -> bool:
-    inner = getattr(experts, "experts", None)
-    return isinstance(inner, nn.ModuleList) and len(inner) == num_expert
+    return expert_modules(experts, num_expert) is not None
 
 
 def check_shadowable(experts: nn.Module, num_expert: int):
@@ -85,7 +93,7 @@ def check_shadowable(experts: nn.Module, num_expert: int):
 def expert_tensors(experts: nn.Module, num_expert: int, local: int) -> Dict[str, torch.Tensor]:
     """Expert `local`'s parameters on this rank, by name (slices of stacked parameters)."""
     if is_module_list(experts, num_expert):
-        return dict(experts.experts[local].named_parameters())
+        return dict(expert_modules(experts, num_expert)[local].named_parameters())
     return {n: p[local] for n, p in experts.named_parameters()}
 
 
@@ -94,7 +102,8 @@ def run_with(experts: nn.Module, num_expert: int, x_SD: torch.Tensor, counts_S: 
     """The experts' forward on rows grouped by shadowed expert, with the given (pulled) tensors."""
     if is_module_list(experts, num_expert):
         chunks = torch.split(x_SD, counts_S.tolist())
-        outs = [functional_call(experts.experts[i], tensors, (chunk,))
+        modules = expert_modules(experts, num_expert)
+        outs = [functional_call(modules[i], tensors, (chunk,))
                 for i, tensors, chunk in zip(locals_S, tensors_S, chunks)]
         return torch.cat(outs)
     stacked = {n: torch.stack([t[n] for t in tensors_S]) for n in tensors_S[0]}
