@@ -59,11 +59,18 @@ def shard_model(model: nn.Module, groups: ParallelGroups, reshard_after_forward:
     options = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
-    sharded = []
+    sharded, unsharded = [], set()
     for layer in layers:
-        fully_shard(layer.experts, mesh=expert_mesh, **options)
-        sharded.append(layer.experts)
-    fully_shard(model, mesh=world_mesh, **options)
+        if expert_mesh.size() > 1:
+            fully_shard(layer.experts, mesh=expert_mesh, **options)
+            sharded.append(layer.experts)
+        else:
+            # No other rank holds these experts: FSDP2 would skip the reduction, and with it the
+            # division, so they stay plain parameters whose gradients are divided here.
+            for p in layer.experts.parameters():
+                p.register_hook(lambda g: g / world)
+                unsharded.add(p)
+    fully_shard(model, mesh=world_mesh, ignored_params=unsharded or None, **options)
     for module in sharded + [model]:
         module.set_gradient_divide_factor(float(world))
         if dist.get_backend() == "gloo":
