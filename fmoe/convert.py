@@ -305,6 +305,7 @@ def write_hf(ckpt: MoECheckpoint, path: str) -> int:
         raise ValueError(f"the HF config's model has no place for {extra[:8]}: --hf-config describes another model")
     model.load_state_dict(state, strict=True, assign=True)
     fmoe.hf.export(model, path)
+    ckpt.skipped += len(recomputed & set(ckpt.dense))
     return written
 
 
