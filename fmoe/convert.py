@@ -345,6 +345,10 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def run(args):
+    if args.to == "hf" or os.path.isfile(os.path.join(args.src, HF_CONFIG)):
+        import transformers
+        transformers.utils.logging.disable_progress_bar()      # the summary below says what was loaded
     counts = convert(args.src, args.dst, args.to, args.ep_size, args.expert_layout, args.hf_config)
     print(f"{args.dst}: {counts['expert_tensors']} expert tensors in {counts['layers']} MoE layers (as many as read) "
-          f"and {counts['dense_tensors']} other tensors; {counts['not_converted']} optimizer/extra entries not converted")
+          f"and {counts['dense_tensors']} other tensors; {counts['not_converted']} entries not converted "
+          "(optimizer states, extras, buffers HF rebuilds)")
