@@ -1,5 +1,6 @@
-"""fmoe convert --to hf / from HF: exact round trips through HF's own layout (Qwen3-MoE, gpt-oss), nothing
-dropped, and a checkpoint written by a real 2-rank expert-parallel run through Megatron's layout and back."""
+"""fmoe convert --to hf / from HF: exact round trips through HF's own layout (Qwen3-MoE, Qwen2-MoE with its
+shared expert, gpt-oss), nothing dropped, and a checkpoint written by a real 2-rank expert-parallel run
+through Megatron's layout and back."""
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,7 +25,7 @@ def assert_same(before: dict, after: dict):
         assert before[key].dtype == after[key].dtype and torch.equal(before[key], after[key]), key
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "gpt_oss"])
 def hf_model(request, tmp_path_factory):
     """A tiny HF model folder in its family's layout, as fmoe.hf.export writes it."""
     path = tmp_path_factory.mktemp(request.param) / "hf"
