@@ -229,7 +229,7 @@ COMMANDS = {
     "bench": ("GFLOP/s and memory of one MoE layer beside its competitors", *from_module("fmoe.bench.run")),
     "simulate": ("FasterMoE's performance model over cluster sizes and load distributions",
                  *from_module("fmoe.simulate")),
-    "convert": ("MoE checkpoints between fmoe's and Megatron-Core's layouts, every expert counted",
+    "convert": ("MoE checkpoints between fmoe's, Megatron-Core's and HF's layouts, every expert counted",
                 *from_module("fmoe.convert")),
     "info": ("versions, device and usable kernel backends", no_arguments, run_info),
 }

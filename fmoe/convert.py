@@ -1,4 +1,5 @@
-"""`fmoe convert SRC DST --to fmoe|megatron`: MoE checkpoints between fmoe's and Megatron-Core's layouts.
+"""`fmoe convert SRC DST --to fmoe|megatron|hf`: MoE checkpoints between fmoe's, Megatron-Core's and
+HuggingFace's layouts.
 
 - **fmoe**: a `torch.distributed.checkpoint` folder from `fmoe.distributed.checkpoint.save_checkpoint`
   or `fmoe.distributed.fsdp.save_checkpoint` (plain or FSDP2 runs, any expert-parallel size): every
@@ -9,6 +10,12 @@
   `<X>.experts.local_experts.<i>.linear_fc1.weight` ([F, D]; `linear_fc2` [D, F]; `--expert-layout
   grouped`: `<X>.experts.linear_fc1.weight<i>`), numbered per expert-parallel rank (`--ep-size`), and
   its gate's projection `<X>.router.weight` / `.bias` (other gate tensors: `<X>.router.fmoe_gate.*`).
+- **hf**: a transformers MoE model's own folder (config.json, *.safetensors) in its family's layout.
+  Read: `from_pretrained`, `fmoe.hf.convert`, the fmoe checkpoint state (every tensor must load).
+  Written: the HF config's model built on the meta device, converted, filled from the checkpoint
+  and `fmoe.hf.export`ed, so both directions use fmoe.hf's one mapping. The HF config comes from
+  `--hf-config` (a folder with config.json, e.g. the original model's) or the config.json that
+  SRC carries: converting from HF writes it into DST, fmoe and Megatron layouts alike.
 
 Every other model tensor keeps its name. Optimizer states are not converted (the count is reported).
 The expert tensors read and written are counted and must agree; a layer missing an expert's tensor
@@ -21,16 +28,17 @@ import re
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
-FORMATS = ("fmoe", "megatron")
+FORMATS = ("fmoe", "megatron", "hf")
 LAYOUTS = ("sequential", "grouped")
 FMOE_EXPERT = re.compile(r"^(?P<layer>.+)\.experts\.(?P<param>w1_eDF|w2_eFD|b1_eF|b2_eD)@expert(?P<g>\d+)$")
 USER_EXPERT = re.compile(r"\.experts\.\d+\.")     # a user expert module's tensor, by global id
 MEGATRON_FILE = "model_optim_rng.pt"
 LATEST = "latest_checkpointed_iteration.txt"
+HF_CONFIG = "config.json"
 # fmoe's per-expert tensor <-> Megatron's, and whether it is stored transposed.
 TO_MEGATRON = {"w1_eDF": ("linear_fc1.weight", True), "b1_eF": ("linear_fc1.bias", False),
                "w2_eFD": ("linear_fc2.weight", True), "b2_eD": ("linear_fc2.bias", False)}
@@ -46,6 +54,7 @@ class MoECheckpoint:
     dense: Dict[str, torch.Tensor] = field(default_factory=dict)
     experts: Dict[str, Dict[str, Dict[int, torch.Tensor]]] = field(default_factory=lambda: defaultdict(dict))
     skipped: int = 0        # optimizer states and extras, which are not converted
+    hf_config: Optional[object] = None      # the transformers config of a model converted from HF
 
     def add_expert(self, layer: str, param: str, g: int, tensor: torch.Tensor, where: str):
         slot = self.experts[layer].setdefault(param, {})
@@ -82,11 +91,36 @@ def single_process():
 
 def read(path: str) -> MoECheckpoint:
     if os.path.isfile(os.path.join(path, ".metadata")):
-        return read_fmoe(path)
-    if os.path.isfile(os.path.join(path, LATEST)):
-        return read_megatron(path)
-    raise ValueError(f"SRC {path!r} is neither an fmoe checkpoint (a folder with .metadata) nor a Megatron one "
-                     f"(a folder with {LATEST})")
+        ckpt = read_fmoe(path)
+    elif os.path.isfile(os.path.join(path, LATEST)):
+        ckpt = read_megatron(path)
+    elif os.path.isfile(os.path.join(path, HF_CONFIG)):
+        return read_hf(path)
+    else:
+        raise ValueError(f"SRC {path!r} is neither an fmoe checkpoint (a folder with .metadata), a Megatron one "
+                         f"(a folder with {LATEST}) nor an HF model (a folder with {HF_CONFIG})")
+    if os.path.isfile(os.path.join(path, HF_CONFIG)):
+        ckpt.hf_config = load_hf_config(path)
+    return ckpt
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)
+
+
+def add_tensors(ckpt: MoECheckpoint, tensors: Dict[str, torch.Tensor], where: str) -> MoECheckpoint:
+    """Sort fmoe-named tensors into `ckpt`: experts by layer, parameter and global id, the rest dense."""
+    for name, tensor in tensors.items():
+        match = FMOE_EXPERT.match(name)
+        if match:
+            ckpt.add_expert(match["layer"], match["param"], int(match["g"]), tensor, where)
+        elif USER_EXPERT.search(name):
+            raise ValueError(f"SRC {where!r}: {name} is a user expert module's tensor; only fmoe's stacked MLP "
+                             "experts (d_hidden=...) convert")
+        else:
+            ckpt.dense[name] = tensor
+    return ckpt
 
 
 def read_fmoe(path: str) -> MoECheckpoint:
@@ -100,18 +134,8 @@ def read_fmoe(path: str) -> MoECheckpoint:
         raise ValueError(f"SRC {path!r}: no model/ tensors in this checkpoint")
     with single_process():
         dcp.load(tensors, checkpoint_id=path, no_dist=True)
-    ckpt = MoECheckpoint(skipped=len(stored) - len(tensors))
-    for key, tensor in tensors.items():
-        name = key[len("model/"):]
-        match = FMOE_EXPERT.match(name)
-        if match:
-            ckpt.add_expert(match["layer"], match["param"], int(match["g"]), tensor, path)
-        elif USER_EXPERT.search(name):
-            raise ValueError(f"SRC {path!r}: {name} is a user expert module's tensor; only fmoe's stacked MLP "
-                             "experts (d_hidden=...) convert")
-        else:
-            ckpt.dense[name] = tensor
-    return ckpt
+    return add_tensors(MoECheckpoint(skipped=len(stored) - len(tensors)),
+                       {key[len("model/"):]: t for key, t in tensors.items()}, path)
 
 
 def write_fmoe(ckpt: MoECheckpoint, path: str) -> int:
@@ -123,7 +147,14 @@ def write_fmoe(ckpt: MoECheckpoint, path: str) -> int:
             state.update({f"model/{layer}.experts.{param}@expert{g}": t.contiguous() for g, t in slot.items()})
     with single_process():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path, overwrite=True), no_dist=True)
+    save_hf_config(ckpt, path)
     return sum(1 for k in state if "@expert" in k)
+
+
+def save_hf_config(ckpt: MoECheckpoint, path: str):
+    """Carry the HF config along, so converting back to HF needs no --hf-config."""
+    if ckpt.hf_config is not None:
+        ckpt.hf_config.to_json_file(os.path.join(path, HF_CONFIG))
 
 
 def megatron_layer(layer: str) -> str:
@@ -167,6 +198,7 @@ def write_megatron(ckpt: MoECheckpoint, path: str, ep_size: int = 1, layout: str
         torch.save({"model": state, "checkpoint_version": 3.0, "iteration": 0}, os.path.join(rank_dir, MEGATRON_FILE))
     with open(os.path.join(path, LATEST), "w") as f:
         f.write("0")
+    save_hf_config(ckpt, path)
     return written
 
 
@@ -207,15 +239,91 @@ def read_megatron(path: str) -> MoECheckpoint:
     return ckpt
 
 
-def convert(src: str, dst: str, to: str, ep_size: int = 1, layout: str = "sequential") -> dict:
-    """Convert `src` into `dst` in the `to` layout; returns what was counted."""
+def read_hf(path: str) -> MoECheckpoint:
+    """An HF MoE model folder as fmoe's checkpoint of it converted (at EP 1); every tensor must load."""
+    import transformers
+
+    import fmoe.hf
+    from fmoe.distributed.checkpoint import checkpoint_state
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto", output_loading_info=True)
+    wrong = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if wrong:
+        raise ValueError(f"SRC {path!r} does not load as its config's model: "
+                         + "; ".join(f"{k}: {sorted(v)[:8]}" for k, v in wrong.items()))
+    fmoe.hf.convert(model)
+    state = {key[len("model/"):]: t.detach() for key, t in checkpoint_state(model).items()}
+    ckpt = add_tensors(MoECheckpoint(), state, path)
+    ckpt.hf_config = model.config
+    return ckpt
+
+
+def write_hf(ckpt: MoECheckpoint, path: str) -> int:
+    """The HF config's model, built on the meta device and converted, takes the checkpoint's tensors
+    (all of them, each once) and is exported in its family's layout; returns the expert tensors used."""
+    import transformers
+
+    import fmoe.hf
+    from fmoe.layer import FMoE
+
+    if ckpt.hf_config is None:
+        raise ValueError("--to hf needs the model's HF config: pass --hf-config FOLDER (with config.json, e.g. the "
+                         f"original model's), or keep the {HF_CONFIG} a conversion from HF wrote into SRC")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(ckpt.hf_config)
+    fmoe.hf.convert(model)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, FMoE)}
+    if set(layers) != set(ckpt.experts):
+        raise ValueError(f"the HF config's model has MoE layers {sorted(layers)[:4]}..., the checkpoint "
+                         f"{sorted(ckpt.experts)[:4]}...: --hf-config describes another model")
+    first = {}         # every tensor's first name (the one the checkpoint stores; tied ones are aliases)
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+        first.setdefault(id(t), name)
+    used, written, state = set(), 0, {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        name = first[id(t)]
+        layer, _, param = name.rpartition(".experts.")
+        if layer in ckpt.experts and param in ckpt.experts[layer]:
+            slot = ckpt.experts[layer][param]
+            if len(slot) != layers[layer].num_expert:
+                raise ValueError(f"layer {layer} has {len(slot)} experts in the checkpoint, "
+                                 f"{layers[layer].num_expert} in the HF config")
+            value = torch.stack([slot[g] for g in range(len(slot))])
+            written += len(slot)
+        elif name in ckpt.dense:
+            value = ckpt.dense[name]
+        else:
+            raise ValueError(f"the checkpoint lacks {name}, which the HF config's model holds")
+        if value.shape != t.shape:
+            raise ValueError(f"{name} has shape {tuple(value.shape)} in the checkpoint, {tuple(t.shape)} in the "
+                             "HF config's model")
+        used.add(name)
+        state[key] = value
+    recomputed = {name for name, _ in model.named_buffers()}      # non-persistent buffers HF rebuilds
+    extra = sorted(set(ckpt.dense) - used - recomputed)
+    if extra:
+        raise ValueError(f"the HF config's model has no place for {extra[:8]}: --hf-config describes another model")
+    model.load_state_dict(state, strict=True, assign=True)
+    fmoe.hf.export(model, path)
+    ckpt.skipped += len(recomputed & set(ckpt.dense))
+    return written
+
+
+def convert(src: str, dst: str, to: str, ep_size: int = 1, layout: str = "sequential",
+            hf_config: Optional[str] = None) -> dict:
+    """Convert `src` into `dst` in the `to` layout (`hf_config`: a folder with the model's HF
+    config.json, which `--to hf` needs unless SRC carries one); returns what was counted."""
     if to not in FORMATS:
         raise ValueError(f"--to must be one of {FORMATS}, got {to!r}")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError("SRC and DST must differ")
     ckpt = read(src)
+    if hf_config is not None:
+        ckpt.hf_config = load_hf_config(hf_config)
     count_in = ckpt.check_whole(src)
-    written = write_megatron(ckpt, dst, ep_size, layout) if to == "megatron" else write_fmoe(ckpt, dst)
+    writers = {"megatron": lambda: write_megatron(ckpt, dst, ep_size, layout), "fmoe": lambda: write_fmoe(ckpt, dst),
+               "hf": lambda: write_hf(ckpt, dst)}
+    written = writers[to]()
     count_out = read(dst).check_whole(dst)
     if not written == count_out == count_in:
         raise ValueError(f"read {count_in} expert tensors from {src}, wrote {written}, {dst} holds {count_out}: "
@@ -225,15 +333,22 @@ def convert(src: str, dst: str, to: str, ep_size: int = 1, layout: str = "sequen
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    p.add_argument("src", metavar="SRC", help="an fmoe checkpoint folder or a Megatron-Core checkpoint folder")
+    p.add_argument("src", metavar="SRC", help="an fmoe, Megatron-Core or HF (config.json + safetensors) checkpoint "
+                                               "folder")
     p.add_argument("dst", metavar="DST", help="the folder to write")
     p.add_argument("--to", required=True, choices=FORMATS, help="the layout to write")
     p.add_argument("--ep-size", type=int, default=1, help="Megatron: expert-parallel ranks to shard the experts over")
     p.add_argument("--expert-layout", choices=LAYOUTS, default="sequential",
                    help="Megatron: SequentialMLP's local_experts.<i>.linear_fc1 or TEGroupedMLP's linear_fc1.weight<i>")
+    p.add_argument("--hf-config", metavar="FOLDER", default=None,
+                   help="hf: a folder with the model's HF config.json (the original model's), unless SRC carries one")
 
 
 def run(args):
-    counts = convert(args.src, args.dst, args.to, args.ep_size, args.expert_layout)
+    if args.to == "hf" or os.path.isfile(os.path.join(args.src, HF_CONFIG)):
+        import transformers
+        transformers.utils.logging.disable_progress_bar()      # the summary below says what was loaded
+    counts = convert(args.src, args.dst, args.to, args.ep_size, args.expert_layout, args.hf_config)
     print(f"{args.dst}: {counts['expert_tensors']} expert tensors in {counts['layers']} MoE layers (as many as read) "
-          f"and {counts['dense_tensors']} other tensors; {counts['not_converted']} optimizer/extra entries not converted")
+          f"and {counts['dense_tensors']} other tensors; {counts['not_converted']} entries not converted "
+          "(optimizer states, extras, buffers HF rebuilds)")

@@ -89,6 +89,6 @@ def test_bad_arguments_fail_at_once(source, tmp_path):
     with pytest.raises(ValueError, match="--ep-size 3 must divide the 4 experts"):
         convert(src, str(tmp_path / "x"), "megatron", 3)
     with pytest.raises(ValueError, match="--to must be one of"):
-        convert(src, str(tmp_path / "x"), "hf")
+        convert(src, str(tmp_path / "x"), "deepspeed")
     with pytest.raises(ValueError, match="neither an fmoe checkpoint"):
         convert(str(tmp_path), str(tmp_path / "x"), "fmoe")
