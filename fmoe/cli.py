@@ -52,6 +52,9 @@ def add_train_args(p: argparse.ArgumentParser):
     g.add_argument("--keep", type=int, default=run.keep, metavar="N",
                    help="checkpoints kept: the newest and N - 1 before it (default: %(default)s)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (the MoE layers trace whole)")
+    g.add_argument("--hf-model", default=None, metavar="PATH",
+                   help="fine-tune this local transformers MoE checkpoint (converted with fmoe.hf.convert) on the "
+                        "byte corpus instead of the GPT, and export it to --out at the end (no checkpoints)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--nproc", type=int, default=1,
                    help="processes on this machine, started through torchrun (GPUs with NCCL, else CPU with gloo)")
@@ -120,13 +123,51 @@ def check_train_args(args):
                          "(or a multiple of it)")
 
 
+# The GPT's options, which an --hf-model run (its model from the checkpoint, no checkpoints of its own) refuses.
+NOT_HF_OPTIONS = ("d_model", "layers", "heads", "num_expert", "top_k", "gate", "d_hidden", "aux_coef", "compile",
+                  "resume", "resume_from", "save_every", "keep")
+
+
+def check_hf_args(args, parser_defaults: dict):
+    if args.resume or args.resume_from:
+        raise ValueError("--resume does not apply with --hf-model: such runs save no checkpoint, only the exported "
+                         "model at the end (fine-tune that further with --hf-model OUT)")
+    given = [name for name in NOT_HF_OPTIONS if getattr(args, name) != parser_defaults[name]]
+    if given:
+        raise ValueError(f"--hf-model takes its model from the checkpoint and saves only the exported model: "
+                         f"{', '.join('--' + n.replace('_', '-') for n in given)} do not apply")
+
+
+def run_hf_train(args):
+    from fmoe.hf.finetune import finetune
+    from fmoe.train import TrainConfig, launched_by_torchrun
+
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
+                      data=args.data, out=args.out, ep_size=args.ep_size)
+    r = finetune(args.hf_model, cfg, seq_len=args.seq_len)
+    if not launched_by_torchrun() or int(os.environ.get("RANK", "0")) == 0:
+        print(f"done: step {r.step} in {r.seconds:.1f} s\nloss: {r.first_loss:.3f} (first step) -> "
+              f"{r.last_loss:.3f} (mean of the last {r.last_window})\nexported: {r.exported} "
+              f"(transformers' AutoModelForCausalLM.from_pretrained loads it)\nhistory:  {r.history}")
+    if launched_by_torchrun():          # leave before gloo's teardown (see report_and_exit)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def run_train(args):
     from fmoe.gpt import GPTConfig
     from fmoe.train import Interrupted, TrainConfig, launched_by_torchrun, train
 
     check_train_args(args)
+    if args.hf_model is not None:
+        defaults = argparse.ArgumentParser()
+        add_train_args(defaults)
+        check_hf_args(args, vars(defaults.parse_args([])))
     if args.nproc != 1 and not launched_by_torchrun():
         return relaunch_with_torchrun(args.nproc)
+    if args.hf_model is not None:
+        return run_hf_train(args)
 
     model_cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, n_head=args.heads,
                           num_expert=args.num_expert, top_k=args.top_k, gate=args.gate, d_hidden=args.d_hidden,
@@ -224,7 +265,8 @@ def from_module(name: str):
 
 
 COMMANDS = {
-    "train": ("train the byte-level MoE GPT; writes a checkpoint, history.json and training.png",
+    "train": ("train the byte-level MoE GPT (writes a checkpoint, history.json and training.png), "
+              "or fine-tune a transformers MoE checkpoint with --hf-model",
               add_train_args, run_train),
     "bench": ("GFLOP/s and memory of one MoE layer beside its competitors", *from_module("fmoe.bench.run")),
     "simulate": ("FasterMoE's performance model over cluster sizes and load distributions",
