@@ -377,3 +377,60 @@ def test_fault_free_one_process_checkpoint_loads_on_expert_parallel_ranks(run_wi
     path = run_with_previous / "plain-state.pt"
     torch.save(state, path)
     run_ranks(_load_full_on_rank, 2, str(path))
+
+
+# --- exact resume on expert-parallel ranks ----------------------------------------------------------
+
+RESUME_CASES = [("backward:2:SIGTERM:1", 2), ("optimizer:2:SIGINT:0", 2), ("optimizer:2:SIGTERM:1", 1)]
+# (FMOE_FAULT, --ep-size) on 2 ranks
+
+
+def _resume_on_rank(rank, world, corpus, root, ports):
+    """Every run of RESUME_CASES on this rank, each through `fmoe.train.train` as under torchrun:
+    per --ep-size an uninterrupted run, then per fault an interrupted run and its --resume."""
+    from fmoe.gpt import GPTConfig
+    from fmoe.train import Interrupted, TrainConfig, train as run
+    from tests.dist_utils import exit_without_teardown
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1")
+    ports = iter(ports)
+    model_cfg = GPTConfig(seq_len=16, d_model=16, n_layer=1, n_head=1, num_expert=4, d_hidden=16, gate="noisy")
+
+    def once(out, ep_size, fault=None, resume=False):
+        os.environ["MASTER_PORT"] = str(next(ports))
+        os.environ.pop("FMOE_FAULT", None)
+        if fault:
+            os.environ["FMOE_FAULT"] = fault
+        cfg = TrainConfig(steps=3, batch_size=2, data=str(corpus), out=str(out), ep_size=ep_size, resume=resume,
+                          eval_batches=1, sample_bytes=0, device="cpu")
+        try:
+            run(cfg, model_cfg, log=lambda message: None, progress=False)
+            return 0
+        except Interrupted:
+            return 130
+
+    for ep_size in (2, 1):
+        assert once(root / f"straight-ep{ep_size}", ep_size) == 0
+    for i, (fault, ep_size) in enumerate(RESUME_CASES):
+        out = root / f"case{i}"
+        assert once(out, ep_size, fault) == 130, fault
+        assert once(out, ep_size, resume=True) == 0, fault
+    exit_without_teardown()
+
+
+def test_fault_signal_on_one_rank_resumes_exactly_under_nproc_2(corpus, tmp_path):
+    """SIGINT / SIGTERM to one of 2 ranks in its backward or after optimizer.step(), with --ep-size 2 and 1:
+    both ranks finish the step and save; --resume then gives the uninterrupted run's losses bit for bit."""
+    import torch.multiprocessing as mp
+
+    from tests.dist_utils import free_port
+
+    ports = [free_port() for _ in range(2 + 2 * len(RESUME_CASES))]
+    mp.spawn(_resume_on_rank, args=(2, corpus, tmp_path, ports), nprocs=2, join=True)
+    for i, (fault, ep_size) in enumerate(RESUME_CASES):
+        history = json.loads((tmp_path / f"case{i}" / "history.json").read_text())
+        assert history["step"] == [1, 2, 3], fault
+        assert history["loss"] == losses(tmp_path / f"straight-ep{ep_size}"), fault
+        assert checkpoints.step_folders(tmp_path / f"case{i}" / "checkpoint")[0].name == "step-00000002", fault
