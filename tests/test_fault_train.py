@@ -94,6 +94,28 @@ def test_atomic_write_killed_midway_leaves_previous_file(tmp_path):
     assert json.loads(path.read_text()) == {"old": True}
 
 
+def test_atomic_write_after_a_kill_removes_the_stale_temporary_file_only(tmp_path):
+    """A SIGKILL inside a write leaves `.history.json.XXXXXXXX.tmp`; the next process's save into that
+    folder removes it, but not other files nor a temporary newer than itself (a write in progress)."""
+    path = tmp_path / "history.json"
+    kill = ("import os, signal, sys; from fmoe.files import write_atomic\n"
+            "def half(f): f.write(b'{'); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+            "write_atomic(sys.argv[1], half)")
+    assert subprocess.run([sys.executable, "-c", kill, str(path)], timeout=120).returncode == -signal.SIGKILL
+    (stale,) = tmp_path.glob(".history.json.*.tmp")
+    others = [tmp_path / ".notes.tmp", tmp_path / "data.tmp", tmp_path / ".x.abcdefgh.tmp.keep"]
+    for other in others:
+        other.write_text("mine")
+        os.utime(other, (0, 0))
+    in_progress = tmp_path / ".plot.png.zzzzzzzz.tmp"
+    in_progress.write_text("half")
+    os.utime(in_progress, (time.time() + 3600,) * 2)    # as if written after the next process started
+    save = "import sys; from fmoe.files import write_json; write_json(sys.argv[1], [1])"
+    subprocess.run([sys.executable, "-c", save, str(tmp_path / "checkpoint.json")], check=True, timeout=120)
+    assert not stale.exists() and all(p.exists() for p in others) and in_progress.exists()
+    assert json.loads((tmp_path / "checkpoint.json").read_text()) == [1]
+
+
 def test_atomic_write_gives_plain_file_mode(tmp_path):
     files.write_text(tmp_path / "a.txt", "x")
     plain = tmp_path / "b.txt"
