@@ -63,14 +63,19 @@ def add_train_args(p: argparse.ArgumentParser):
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+INTERRUPTED_FILE = "FMOE_INTERRUPTED_FILE"
+
+
 def relaunch_with_torchrun(nproc: int) -> int:
     """`fmoe train --nproc N ...` on one machine: the same command on N ranks through torchrun.
 
     torchrun runs in its own session and is told SIGTERM when this process dies (it then stops its
-    ranks, which save); SIGINT and SIGTERM sent here are forwarded to it once.
+    ranks, which save); SIGINT and SIGTERM sent here are forwarded to it once. The status is 130
+    when a signal stopped the run, whether it came here or to a rank (torchrun itself says 1).
     """
     import signal
     import subprocess
+    import tempfile
 
     from fmoe.train import end_with_parent
 
@@ -85,7 +90,12 @@ def relaunch_with_torchrun(nproc: int) -> int:
             argv.append(arg)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "fmoe.cli", *argv]
-    child = subprocess.Popen(cmd, start_new_session=True, preexec_fn=end_with_parent)
+    # A rank stopped by a signal empties this file: torchrun's own status for it is just 1.
+    marker = tempfile.NamedTemporaryFile(prefix="fmoe-interrupted-", delete=False)
+    marker.write(b"no")
+    marker.close()
+    env = {**os.environ, INTERRUPTED_FILE: marker.name}
+    child = subprocess.Popen(cmd, start_new_session=True, preexec_fn=end_with_parent, env=env)
     received = []
 
     def forward(signum, frame):
@@ -98,7 +108,9 @@ def relaunch_with_torchrun(nproc: int) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return 130 if received else status
+        interrupted = os.path.getsize(marker.name) == 0
+        os.unlink(marker.name)
+    return 130 if received or interrupted else status
 
 
 def check_train_args(args):
@@ -180,6 +192,8 @@ def run_train(args):
         r = train(cfg, model_cfg, progress=not args.no_progress)
     except Interrupted:
         if launched_by_torchrun():      # saved; leave before gloo's teardown (see report_and_exit)
+            if os.environ.get(INTERRUPTED_FILE):        # tell the launcher: torchrun reports only a failed rank
+                open(os.environ[INTERRUPTED_FILE], "wb").close()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(130)

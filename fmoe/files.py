@@ -3,18 +3,26 @@
 `write_atomic(path, write)` hands `write` a binary file under a temporary name in the same
 folder, fsyncs it, renames it over `path` and fsyncs the folder. If anything fails (a full disk,
 a kill, a bug in `write`) the temporary file is removed and `path` keeps its previous content.
+A SIGKILL leaves its temporary file behind; the next write into that folder by a later process
+removes such leftovers (fmoe's own `.name.XXXXXXXX.tmp` names only, last changed before this
+process started, so another process's write in progress is left alone).
 """
 import errno
 import hashlib
 import json
 import os
+import re
 import tempfile
+import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Union
 
 PathLike = Union[str, Path]
 UMASK = os.umask(0)
 os.umask(UMASK)
+STARTED = time.time()
+TEMP_NAME = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")      # what mkstemp(prefix=".name.", suffix=".tmp") makes
+_swept = set()
 
 
 class WriteError(OSError):
@@ -33,6 +41,7 @@ def write_atomic(path: PathLike, write: Callable[[BinaryIO], object]) -> Path:
     """Write `path` through `write(f)` on a temporary file, then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~UMASK)       # the mode a plain open() would give, not mkstemp's 0600
@@ -54,6 +63,19 @@ def write_atomic(path: PathLike, write: Callable[[BinaryIO], object]) -> Path:
         raise
     fsync_dir(path.parent)
     return path
+
+
+def remove_stale_temporaries(folder: Path):
+    """Once per folder and process: remove temporary files that a killed earlier write left there."""
+    if folder in _swept:
+        return
+    _swept.add(folder)
+    for entry in os.scandir(folder):
+        try:
+            if TEMP_NAME.fullmatch(entry.name) and entry.is_file() and entry.stat().st_mtime < STARTED:
+                os.unlink(entry.path)
+        except FileNotFoundError:        # another process removed it first
+            pass
 
 
 def write_error(path: Path, err: OSError) -> WriteError:

@@ -94,6 +94,28 @@ def test_atomic_write_killed_midway_leaves_previous_file(tmp_path):
     assert json.loads(path.read_text()) == {"old": True}
 
 
+def test_atomic_write_after_a_kill_removes_the_stale_temporary_file_only(tmp_path):
+    """A SIGKILL inside a write leaves `.history.json.XXXXXXXX.tmp`; the next process's save into that
+    folder removes it, but not other files nor a temporary newer than itself (a write in progress)."""
+    path = tmp_path / "history.json"
+    kill = ("import os, signal, sys; from fmoe.files import write_atomic\n"
+            "def half(f): f.write(b'{'); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+            "write_atomic(sys.argv[1], half)")
+    assert subprocess.run([sys.executable, "-c", kill, str(path)], timeout=120).returncode == -signal.SIGKILL
+    (stale,) = tmp_path.glob(".history.json.*.tmp")
+    others = [tmp_path / ".notes.tmp", tmp_path / "data.tmp", tmp_path / ".x.abcdefgh.tmp.keep"]
+    for other in others:
+        other.write_text("mine")
+        os.utime(other, (0, 0))
+    in_progress = tmp_path / ".plot.png.zzzzzzzz.tmp"
+    in_progress.write_text("half")
+    os.utime(in_progress, (time.time() + 3600,) * 2)    # as if written after the next process started
+    save = "import sys; from fmoe.files import write_json; write_json(sys.argv[1], [1])"
+    subprocess.run([sys.executable, "-c", save, str(tmp_path / "checkpoint.json")], check=True, timeout=120)
+    assert not stale.exists() and all(p.exists() for p in others) and in_progress.exists()
+    assert json.loads((tmp_path / "checkpoint.json").read_text()) == [1]
+
+
 def test_atomic_write_gives_plain_file_mode(tmp_path):
     files.write_text(tmp_path / "a.txt", "x")
     plain = tmp_path / "b.txt"
@@ -273,7 +295,7 @@ def test_kill_during_sharded_save_and_signal_under_nproc(corpus, tmp_path):
     env = {**os.environ, "FMOE_FAULT": "backward:2:SIGTERM:1"}
     first = subprocess.run(fmoe_cmd(corpus, out, 6, "--nproc", "2", "--ep-size", "2"), env=env,
                            capture_output=True, text=True, timeout=300)
-    assert first.returncode != 0 and "interrupted at step 2" in first.stdout, first.stderr[-3000:]
+    assert first.returncode == 130 and "interrupted at step 2" in first.stdout, first.stderr[-3000:]
     root = out / "checkpoint"
     assert checkpoints.latest_folder(root).name == "step-00000002"
     env["FMOE_FAULT"] = "save:4:SIGKILL:0"
@@ -377,3 +399,60 @@ def test_fault_free_one_process_checkpoint_loads_on_expert_parallel_ranks(run_wi
     path = run_with_previous / "plain-state.pt"
     torch.save(state, path)
     run_ranks(_load_full_on_rank, 2, str(path))
+
+
+# --- exact resume on expert-parallel ranks ----------------------------------------------------------
+
+RESUME_CASES = [("backward:2:SIGTERM:1", 2), ("optimizer:2:SIGINT:0", 2), ("optimizer:2:SIGTERM:1", 1)]
+# (FMOE_FAULT, --ep-size) on 2 ranks
+
+
+def _resume_on_rank(rank, world, corpus, root, ports):
+    """Every run of RESUME_CASES on this rank, each through `fmoe.train.train` as under torchrun:
+    per --ep-size an uninterrupted run, then per fault an interrupted run and its --resume."""
+    from fmoe.gpt import GPTConfig
+    from fmoe.train import Interrupted, TrainConfig, train as run
+    from tests.dist_utils import exit_without_teardown
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1")
+    ports = iter(ports)
+    model_cfg = GPTConfig(seq_len=16, d_model=16, n_layer=1, n_head=1, num_expert=4, d_hidden=16, gate="noisy")
+
+    def once(out, ep_size, fault=None, resume=False):
+        os.environ["MASTER_PORT"] = str(next(ports))
+        os.environ.pop("FMOE_FAULT", None)
+        if fault:
+            os.environ["FMOE_FAULT"] = fault
+        cfg = TrainConfig(steps=3, batch_size=2, data=str(corpus), out=str(out), ep_size=ep_size, resume=resume,
+                          eval_batches=1, sample_bytes=0, device="cpu")
+        try:
+            run(cfg, model_cfg, log=lambda message: None, progress=False)
+            return 0
+        except Interrupted:
+            return 130
+
+    for ep_size in (2, 1):
+        assert once(root / f"straight-ep{ep_size}", ep_size) == 0
+    for i, (fault, ep_size) in enumerate(RESUME_CASES):
+        out = root / f"case{i}"
+        assert once(out, ep_size, fault) == 130, fault
+        assert once(out, ep_size, resume=True) == 0, fault
+    exit_without_teardown()
+
+
+def test_fault_signal_on_one_rank_resumes_exactly_under_nproc_2(corpus, tmp_path):
+    """SIGINT / SIGTERM to one of 2 ranks in its backward or after optimizer.step(), with --ep-size 2 and 1:
+    both ranks finish the step and save; --resume then gives the uninterrupted run's losses bit for bit."""
+    import torch.multiprocessing as mp
+
+    from tests.dist_utils import free_port
+
+    ports = [free_port() for _ in range(2 + 2 * len(RESUME_CASES))]
+    mp.spawn(_resume_on_rank, args=(2, corpus, tmp_path, ports), nprocs=2, join=True)
+    for i, (fault, ep_size) in enumerate(RESUME_CASES):
+        history = json.loads((tmp_path / f"case{i}" / "history.json").read_text())
+        assert history["step"] == [1, 2, 3], fault
+        assert history["loss"] == losses(tmp_path / f"straight-ep{ep_size}"), fault
+        assert checkpoints.step_folders(tmp_path / f"case{i}" / "checkpoint")[0].name == "step-00000002", fault
