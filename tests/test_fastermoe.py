@@ -112,3 +112,8 @@ def test_shadowing_inside_deepspeed_equals_off():
     pytest.importorskip("deepspeed")
     from tests.test_deepspeed import run_deepspeed_ranks
     run_deepspeed_ranks(shadow_workers.check_deepspeed_shadowing_equals_off, 2)
+
+
+def test_shadowing_inside_megatron_equals_off():
+    pytest.importorskip("megatron.core")
+    run_ranks(shadow_workers.check_megatron_shadowing_equals_off, 2)

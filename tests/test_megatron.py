@@ -23,7 +23,8 @@ from tests.dist_utils import run_ranks  # noqa: E402
 VOCAB, SEQ, HIDDEN, FFN, EXPERTS = 64, 32, 32, 64, 4
 
 
-def gpt(ep_size: int, tp_size: int = 1, gate="gshard", gate_kwargs=None, aux_loss_coeff=0.01, use_fmoefy=False):
+def gpt(ep_size: int, tp_size: int = 1, gate="gshard", gate_kwargs=None, aux_loss_coeff=0.01, use_fmoefy=False,
+        **mlp_params):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -40,8 +41,9 @@ def gpt(ep_size: int, tp_size: int = 1, gate="gshard", gate_kwargs=None, aux_los
         model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                          max_sequence_length=SEQ)
         return fmoefy(model, num_experts=EXPERTS, top_k=2, gate=gate, gate_kwargs=gate_kwargs,
-                      aux_loss_coeff=aux_loss_coeff)
-    spec = get_gpt_layer_with_fmoe_spec(gate=gate, gate_kwargs=gate_kwargs, aux_loss_coeff=aux_loss_coeff)
+                      aux_loss_coeff=aux_loss_coeff, **mlp_params)
+    spec = get_gpt_layer_with_fmoe_spec(gate=gate, gate_kwargs=gate_kwargs, aux_loss_coeff=aux_loss_coeff,
+                                        **mlp_params)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
