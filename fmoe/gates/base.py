@@ -275,6 +275,15 @@ class LinearRouter(nn.Module):
         super().__init__()
         self.proj = nn.Linear(d_model, tot_expert, bias=bias)
 
+    @property
+    def weight(self):
+        """FastMoE's `gate.gate.weight` (its router is a plain nn.Linear)."""
+        return self.proj.weight
+
+    @property
+    def bias(self):
+        return self.proj.bias
+
     def forward(self, x_TD):
         w = self.proj.weight
         dtype = routing_dtype(x_TD.dtype, w.dtype)

@@ -26,8 +26,8 @@ def balance_loss(probs_TE: torch.Tensor, top1_E_T: torch.Tensor) -> torch.Tensor
 
 
 class GShardGate(RouterGate):
-    """RouterGate with softmax scores and renormalised top-2 (FastMoE's softmax over the two
-    chosen logits), plus the balance loss, capacity and random routing."""
+    """RouterGate with top-2 of the logits weighed by a softmax over the two (FastMoE's formula,
+    bit for bit), plus the balance loss, capacity and random routing."""
 
     def __init__(self, d_model, num_expert, world_size=1, top_k=2, capacity=(1.2, 2.4), random_routing=True,
                  gate_bias=True, z_loss_coef=0.0, topk=None, *, capacity_formula="fastmoe", drop_by="order",
@@ -35,7 +35,7 @@ class GShardGate(RouterGate):
         top_k = topk if topk is not None else top_k
         if top_k != 2:
             raise ValueError(f"top_k must be 2 for GShardGate, got {top_k!r}")
-        super().__init__(d_model, num_expert, world_size, top_k, norm_topk_prob=True, gate_bias=gate_bias,
+        super().__init__(d_model, num_expert, world_size, top_k, softmax_after_topk=True, gate_bias=gate_bias,
                          capacity=capacity, z_loss_coef=z_loss_coef)
         self.random_routing = check_bool("random_routing", random_routing)
         self.capacity_formula = check_choice("capacity_formula", capacity_formula, CAPACITY_FORMULAS)

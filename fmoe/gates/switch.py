@@ -33,7 +33,8 @@ class SwitchGate(RouterGate):
         if self.jitter == "input":
             return self.gate(x_TD * torch.empty_like(x_TD).uniform_(1 - eps, 1 + eps))
         logits_TE = self.gate(x_TD)
-        return logits_TE + torch.empty_like(logits_TE).uniform_(1 - eps, 1 + eps)
+        # FastMoE's own arithmetic, so that the same RNG state gives bit-equal noise.
+        return logits_TE + (torch.rand_like(logits_TE) * 2 * eps + 1.0 - eps)
 
     def route(self, x_TD):
         expert_idx_TK, weight_TK, score_TK, logits_TE, aux = super().route(x_TD)
