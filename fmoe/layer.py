@@ -15,8 +15,8 @@ from fmoe.distributed.slicing import gather_rows, slice_rows
 from fmoe.distributed.timeout import set_current_layer
 from fmoe.experts import GroupedExperts, ModuleListExperts
 from fmoe.fastmoe_state import rename_router, stack_experts
-from fmoe.gates import BaseGate, NaiveGate, Routing, make_gate
-from fmoe.gates.base import accepts_keyword
+from fmoe.gates import BaseGate, NaiveGate, make_gate
+from fmoe.gates.base import accepts_keyword, routing_from_fastmoe_gate
 from fmoe.routing import RoutingPlan
 
 
@@ -232,7 +232,7 @@ class FMoE(nn.Module):
         if self.slice_group is not None:
             x_TD = [slice_rows(t, self.slice_group) for t in x_TD]
         inp = x_TD[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_TD, spec)
-        routing = self.gate.routing(inp) if isinstance(self.gate, BaseGate) else routing_of_module(self.gate, inp)
+        routing = self.gate.routing(inp) if isinstance(self.gate, BaseGate) else routing_from_fastmoe_gate(self.gate, inp)
         if self.gate_hook is not None:
             self.gate_hook(routing.expert_idx_TK, routing.weight_TK, None)
         expert_idx_TK = routing.expert_idx_TK
@@ -349,21 +349,6 @@ class SharedExpertMLP(nn.Module):
 
 def is_plain_module_gate(gate) -> bool:
     return isinstance(gate, type) and issubclass(gate, nn.Module) and not issubclass(gate, BaseGate)
-
-
-def routing_of_module(gate: nn.Module, inp) -> Routing:
-    """The Routing of a gate module that only has FastMoE's forward: `(topk_idx, topk_val)`."""
-    topk_idx, topk_val = gate(inp)[:2]
-    T = tree_flatten(inp)[0][0].shape[0]
-    expert_idx_TK = topk_idx.reshape(T, -1).long()
-    weight_TK = topk_val.reshape(T, -1)
-    if expert_idx_TK.shape != weight_TK.shape:
-        raise ValueError(f"{type(gate).__name__}.forward returned topk_idx and topk_val of different sizes: "
-                         f"{tuple(topk_idx.shape)} and {tuple(topk_val.shape)}")
-    dropped_TK = expert_idx_TK < 0
-    aux = gate.get_loss(clear=False) if hasattr(gate, "get_loss") else None
-    aux = torch.zeros((), device=weight_TK.device) if aux is None else aux.reshape(())
-    return Routing(expert_idx_TK, weight_TK.masked_fill(dropped_TK, 0.0), aux, dropped_TK.sum())
 
 
 def resolve_num_expert(num_expert, expert) -> int:

@@ -228,23 +228,7 @@ class BaseGate(nn.Module):
         return expert_idx_TK, weight_TK, torch.zeros((), dtype=torch.long, device=expert_idx_TK.device)
 
     def _routing_from_forward(self, x_TD: torch.Tensor) -> Routing:
-        """A FastMoE-style gate: its `(topk_idx, topk_val)` tuple (any shape holding T*K slots)."""
-        topk_idx, topk_val = self.forward(x_TD)[:2]
-        x_TD = torch.utils._pytree.tree_leaves(x_TD)[0]     # FMoE passes multi-input gates their whole tree
-        T = x_TD.shape[0]
-        expert_idx_TK = topk_idx.reshape(T, -1).long()
-        weight_TK = topk_val.reshape(T, -1)
-        if expert_idx_TK.shape != weight_TK.shape:
-            raise ValueError(f"{type(self).__name__}.forward returned topk_idx and topk_val of different sizes: "
-                             f"{tuple(topk_idx.shape)} and {tuple(topk_val.shape)}")
-        dropped_TK = expert_idx_TK < 0
-        weight_TK = weight_TK.masked_fill(dropped_TK, 0.0)
-        aux = self.get_loss(clear=False)
-        if aux is None:
-            aux = torch.zeros((), device=x_TD.device)
-        elif aux.numel() == 1:
-            aux = aux.reshape(())
-        return Routing(expert_idx_TK, weight_TK, aux, dropped_TK.sum())
+        return routing_from_fastmoe_gate(self, x_TD)
 
     @property
     def capacity_factor(self) -> Optional[float]:
@@ -302,3 +286,22 @@ def accepts_keyword(cls, name: str) -> bool:
         return False
     return name in params and params[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                     inspect.Parameter.KEYWORD_ONLY)
+
+
+def routing_from_fastmoe_gate(gate: nn.Module, inp) -> Routing:
+    """The Routing of a FastMoE-style gate, from its `(topk_idx, topk_val)` tuple (any shape holding
+    T*K slots); `inp` may be a tree of tensors (FMoE passes multi-input gates their whole tree)."""
+    topk_idx, topk_val = gate(inp)[:2]
+    T = torch.utils._pytree.tree_leaves(inp)[0].shape[0]
+    expert_idx_TK = topk_idx.reshape(T, -1).long()
+    weight_TK = topk_val.reshape(T, -1)
+    if expert_idx_TK.shape != weight_TK.shape:
+        raise ValueError(f"{type(gate).__name__}.forward returned topk_idx and topk_val of different sizes: "
+                         f"{tuple(topk_idx.shape)} and {tuple(topk_val.shape)}")
+    dropped_TK = expert_idx_TK < 0
+    aux = gate.get_loss(clear=False) if hasattr(gate, "get_loss") else None
+    if aux is None:
+        aux = torch.zeros((), device=weight_TK.device)
+    elif aux.numel() == 1:
+        aux = aux.reshape(())
+    return Routing(expert_idx_TK, weight_TK.masked_fill(dropped_TK, 0.0), aux, dropped_TK.sum())
