@@ -5,8 +5,10 @@ own experts implementations ("grouped_mm", its default, and "eager"), same weigh
     python benchmarks/bench_hf.py --reps 1 --tokens 64 --out /tmp/hf-smoke.json      # a smoke run
 
 Block shapes (d_model 512 by default): Mixtral (8 experts, top-2, F 1024), Qwen3-MoE (64 experts,
-top-8, F 256) and DeepSeek-V3 (64 experts in 8 groups, top-8, F 256, one shared expert). Prints
-milliseconds and fmoe's speed-up over each; writes the JSON to --out.
+top-8, F 256) and DeepSeek-V3 (64 experts in 8 groups, top-8, F 256, one shared expert). The
+competitors take turns, one call each per round, so a drift of the machine's speed hits all
+alike; each figure is the median over the rounds. Prints milliseconds and fmoe's speed-up over
+each; writes the JSON to --out.
 """
 import argparse
 import copy
@@ -19,7 +21,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe.hf  # noqa: E402
-from common import machine, time_call  # noqa: E402
+from common import machine, time_interleaved  # noqa: E402
 from fmoe.hf.families import find_moe_blocks  # noqa: E402
 from fmoe.files import write_json  # noqa: E402
 
@@ -67,7 +69,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=9)
     p.add_argument("--families", nargs="+", default=["mixtral", "qwen3_moe", "deepseek_v3"])
     p.add_argument("--out", required=True, help="JSON file for the results")
     args = p.parse_args(argv)
@@ -76,7 +78,8 @@ def main(argv=None):
     for family in args.families:
         competitors = blocks(family, args.d_model)
         x = torch.randn(1, args.tokens, args.d_model, requires_grad=True)
-        ms = {name: 1e3 * time_call(fwd_bwd(b, x), warmup=1, reps=args.reps) for name, b in competitors.items()}
+        ms = {name: 1e3 * t for name, t in time_interleaved(
+            {name: fwd_bwd(b, x) for name, b in competitors.items()}, reps=args.reps).items()}
         ratios = {f"fmoe_vs_{name}": ms[name] / ms["fmoe"] for name in ms if name != "fmoe"}
         results["blocks"][family] = {"ms": ms, "speedup": ratios}
         print(f"{family:12s} " + "  ".join(f"{n} {t:8.2f} ms" for n, t in ms.items()) + "   "

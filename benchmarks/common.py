@@ -31,6 +31,23 @@ def time_call(fn, warmup: int = 2, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def time_interleaved(fns: dict, warmup: int = 1, reps: int = 9) -> dict:
+    """Median wall time in seconds of each fn, the fns taking turns one call at a time."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 class RoundRobinGate(BaseGate):
     """Perfectly balanced routing (slot t*K+k to expert (t*K+k) % E), weights from a real router."""
 

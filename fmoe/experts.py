@@ -1,4 +1,5 @@
 """Experts: stacked per-expert weights run as grouped GEMMs, or one user module per expert."""
+import functools
 import inspect
 import math
 from typing import Callable, Optional, Union
@@ -37,6 +38,14 @@ class GatedActivation(nn.Module):
     def forward(self, h_N2F):
         return self.combine(*self.split(h_N2F))
 
+    @property
+    def layout(self) -> str:
+        return "interleaved" if self.interleaved else "split"
+
+    def fused_spec(self) -> Optional[str]:
+        """The name the CPU's fused expert MLP knows this activation by, or None (an arbitrary fn)."""
+        return None
+
 
 class GLU(GatedActivation):
     """act(gate) * up: SwiGLU with SiLU, GeGLU with GELU, or any F -> F activation."""
@@ -49,6 +58,10 @@ class GLU(GatedActivation):
 
     def combine(self, gate, up):
         return self.act(gate) * up
+
+    def fused_spec(self) -> Optional[str]:
+        name = _glu_act_name(self.act)
+        return None if name is None else f"glu:{name}:{self.layout}"
 
 
 class ClampedSwiGLU(GatedActivation):
@@ -66,8 +79,44 @@ class ClampedSwiGLU(GatedActivation):
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
+    def fused_spec(self) -> str:
+        return f"clamped_swiglu:{self.alpha!r}:{self.limit!r}:{self.layout}"
+
     def extra_repr(self):
         return f"alpha={self.alpha}, limit={self.limit}, interleaved={self.interleaved}"
+
+
+def _glu_act_name(act) -> Optional[str]:
+    """torch's (and transformers') SiLU / GELU / ReLU under the names of torch_ops.GLU_ACTS, else None."""
+    if act is F.silu or isinstance(act, nn.SiLU):
+        return "silu"
+    if act is F.relu or isinstance(act, nn.ReLU):
+        return "relu"
+    if act is F.gelu:
+        return "gelu"
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    # transformers' activation classes (ACT2FN), matched by name so transformers stays optional;
+    # their pure-Python variants round differently, so only the ones calling torch's op are taken.
+    name = type(act).__name__
+    inner = getattr(act, "act", None)
+    if name == "SiLUActivation":
+        return "silu"
+    if name == "GELUActivation" and inner is F.gelu:
+        return "gelu"
+    if name in ("GELUTanh", "PytorchGELUTanh") and isinstance(inner, functools.partial) \
+            and inner.func is F.gelu and inner.keywords == {"approximate": "tanh"} and not inner.args:
+        return "gelu_tanh"
+    return None
+
+
+def fused_activation_spec(activation) -> Optional[str]:
+    """The spec string `fmoe.kernels.fused_expert_mlp` takes for a resolved activation, or None."""
+    if isinstance(activation, str):
+        return activation
+    if isinstance(activation, GatedActivation):
+        return activation.fused_spec()
+    return None
 
 
 def is_gated(activation) -> bool:
@@ -169,8 +218,9 @@ class GroupedExperts(nn.Module):
 
     def run(self, x_ND, counts_e, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
         """The experts' MLP with the given stacked weights (shadowing passes pulled ones)."""
-        if kernels.fused_expert_mlp_applies(x_ND, self.activation, self.backend):
-            return kernels.fused_expert_mlp(x_ND, counts_e, self.activation, w1_eDF, w2_eFD, b1_eF, b2_eD)
+        spec = fused_activation_spec(self.activation)
+        if kernels.fused_expert_mlp_applies(x_ND, spec, self.backend):
+            return kernels.fused_expert_mlp(x_ND, counts_e, spec, w1_eDF, w2_eFD, b1_eF, b2_eD)
         h_NF = kernels.grouped_mm(x_ND, w1_eDF, counts_e, b1_eF, self.backend)
         return kernels.grouped_mm(self.act(h_NF), w2_eFD, counts_e, b2_eD, self.backend)
 

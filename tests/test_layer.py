@@ -132,22 +132,51 @@ def test_collect_aux_loss_sums_layers():
     assert model[0].gate.get_loss() is not None and not model[0].gate.has_loss
 
 
-@pytest.mark.parametrize("activation", ["gelu", "relu"])
+FUSED_ACTIVATIONS = {
+    "gelu": lambda: "gelu", "relu": lambda: "relu", "swiglu": lambda: "swiglu",
+    "geglu": lambda: fmoe.experts.GLU(torch.nn.functional.gelu),
+    "geglu_tanh_interleaved": lambda: fmoe.experts.GLU(torch.nn.GELU("tanh"), interleaved=True),
+    "reglu": lambda: fmoe.experts.GLU(torch.nn.ReLU()),
+    # A small limit so that both clamps cut (their gradient masks are checked too).
+    "clamped_swiglu": lambda: fmoe.experts.ClampedSwiGLU(alpha=1.702, limit=0.5),
+    "clamped_swiglu_split": lambda: fmoe.experts.ClampedSwiGLU(alpha=1.1, limit=0.7, interleaved=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUSED_ACTIVATIONS))
 @pytest.mark.parametrize("bias", [True, False])
-def test_fused_expert_mlp_equals_grouped_gemms(activation, bias):
-    """The CPU's per-expert fused MLP against two grouped GEMMs around the activation."""
+def test_fused_expert_mlp_equals_grouped_gemms(name, bias):
+    """The CPU's per-expert fused MLP against two grouped GEMMs around the activation module."""
     from fmoe import kernels
+    from fmoe.experts import fused_activation_spec
     torch.manual_seed(0)
-    experts = fmoe.GroupedExperts(4, 8, 16, activation, bias=bias)
+    experts = fmoe.GroupedExperts(4, 8, 16, FUSED_ACTIVATIONS[name](), bias=bias)
+    spec = fused_activation_spec(experts.activation)
+    assert kernels.fused_expert_mlp_applies(torch.zeros(1, 8), spec), spec
     counts = torch.tensor([5, 0, 1, 7])
-    x = torch.randn(13, 8, requires_grad=True)
+    x = torch.randn(15, 8, requires_grad=True)          # 2 rows past the segments: dropped slots
     args = (experts.w1_eDF, experts.w2_eFD, experts.b1_eF, experts.b2_eD)
-    fused = kernels.fused_expert_mlp(x, counts, activation, *args)
+    fused = kernels.fused_expert_mlp(x, counts, spec, *args)
     h = kernels.grouped_mm(x, experts.w1_eDF, counts, experts.b1_eF)
     plain = kernels.grouped_mm(experts.act(h), experts.w2_eFD, counts, experts.b2_eD)
     torch.testing.assert_close(fused, plain)
+    assert fused[13:].eq(0).all()
     probe = torch.randn_like(fused)
     params = [x] + [p for p in args if p is not None]
     for g_fused, g_plain in zip(torch.autograd.grad((fused * probe).sum(), params),
                                 torch.autograd.grad((plain * probe).sum(), params)):
         torch.testing.assert_close(g_fused, g_plain)
+
+
+def test_gated_activation_with_an_arbitrary_fn_runs_unfused():
+    """A GatedActivation whose fn fmoe cannot name takes the two grouped GEMMs, and is still right."""
+    from fmoe.experts import GatedActivation, fused_activation_spec
+    act = GatedActivation(lambda gate, up: torch.tanh(gate) * up)
+    assert fused_activation_spec(act) is None
+    assert fused_activation_spec(fmoe.experts.GLU(lambda t: t.sigmoid())) is None
+    torch.manual_seed(0)
+    experts = fmoe.GroupedExperts(3, 8, 4, act)
+    counts = torch.tensor([2, 0, 3])
+    x = torch.randn(5, 8)
+    ref = torch.cat([experts.expert_forward(0, x[:2]), experts.expert_forward(2, x[2:])])
+    torch.testing.assert_close(experts(x, counts), ref)

@@ -124,12 +124,14 @@ def gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Te
 
 
 def fused_expert_mlp_applies(x_ND: torch.Tensor, activation, backend: Optional[str] = None) -> bool:
-    """The per-expert fused MLP pays on CPU tensors in eager mode with the torch backend and a
-    built-in activation; it reads the counts on the host, so the sync-free path never takes it."""
+    """The per-expert fused MLP pays on CPU tensors in eager mode with the torch backend and an
+    activation it knows by name (`torch_ops.parse_activation`: gelu, relu, swiglu, the GLU and
+    clamped-SwiGLU specs); it reads the counts on the host, so the sync-free path never takes it."""
     return (not sync_free(x_ND) and resolve_backend(x_ND, backend) == "torch"
-            and activation in torch_ops.FUSED_MLP_ACTIVATIONS)
+            and torch_ops.fused_activation_ok(activation))
 
 
 def fused_expert_mlp(x_ND, counts_e, activation: str, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
-    """act(x_seg @ w1[e] + b1[e]) @ w2[e] + b2[e], expert by expert (CPU, torch backend)."""
+    """act(x_seg @ w1[e] + b1[e]) @ w2[e] + b2[e], expert by expert (CPU, torch backend); `activation`
+    is a spec string (`fmoe.experts.fused_activation_spec`)."""
     return torch_ops.expert_mlp(x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)

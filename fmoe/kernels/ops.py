@@ -215,12 +215,18 @@ def _expert_mlp_setup(ctx, inputs, output):
     x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD = inputs
     ctx.save_for_backward(x_ND, counts_e, w1_eDF, w2_eFD, output[1])
     ctx.activation, ctx.has_bias = activation, b1_eF is not None
+    # h is returned only to be saved: without this autograd would fill an N x F zero tensor as
+    # its gradient on every backward.
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
 
 
 def _expert_mlp_backward(ctx, dy_ND, _grad_h):
     x_ND, counts_e, w1_eDF, w2_eFD, h_NF = ctx.saved_tensors
+    if dy_ND is None:
+        dy_ND = torch.zeros(x_ND.shape[0], w2_eFD.shape[2], dtype=x_ND.dtype, device=x_ND.device)
     dx, dw1, dw2, db1, db2 = expert_mlp_backward(dy_ND.contiguous(), x_ND, counts_e, ctx.activation,
-                                                 w1_eDF, w2_eFD, h_NF)
+                                                 w1_eDF, w2_eFD, h_NF, ctx.has_bias)
     if not ctx.has_bias:
         db1 = db2 = None
     return dx, None, None, dw1, dw2, db1, db2
@@ -231,15 +237,18 @@ expert_mlp_with_hidden.register_autograd(_expert_mlp_backward, setup_context=_ex
 
 @torch.library.custom_op("fmoe::expert_mlp_backward", mutates_args=())
 def expert_mlp_backward(dy_ND: Tensor, x_ND: Tensor, counts_e: Tensor, activation: str, w1_eDF: Tensor,
-                        w2_eFD: Tensor, h_NF: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        w2_eFD: Tensor, h_NF: Tensor, with_bias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     from fmoe.kernels import torch_ops
-    return torch_ops.expert_mlp_backward(dy_ND, x_ND, counts_e, activation, w1_eDF, w2_eFD, h_NF)
+    return torch_ops.expert_mlp_backward(dy_ND, x_ND, counts_e, activation, w1_eDF, w2_eFD, h_NF, with_bias)
 
 
 @expert_mlp_backward.register_fake
-def _(dy_ND, x_ND, counts_e, activation, w1_eDF, w2_eFD, h_NF):
-    return (torch.empty_like(x_ND), torch.empty_like(w1_eDF), torch.empty_like(w2_eFD),
-            h_NF.new_empty(w1_eDF.shape[0], w1_eDF.shape[2]), dy_ND.new_empty(w2_eFD.shape[0], w2_eFD.shape[2]))
+def _(dy_ND, x_ND, counts_e, activation, w1_eDF, w2_eFD, h_NF, with_bias):
+    if not with_bias:
+        db1, db2 = h_NF.new_empty(0), dy_ND.new_empty(0)
+    else:
+        db1, db2 = h_NF.new_empty(w1_eDF.shape[0], w1_eDF.shape[2]), dy_ND.new_empty(w2_eFD.shape[0], w2_eFD.shape[2])
+    return torch.empty_like(x_ND), torch.empty_like(w1_eDF), torch.empty_like(w2_eFD), db1, db2
 
 
 def expert_mlp(x_ND, counts_e, activation: str, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):

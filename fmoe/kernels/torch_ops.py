@@ -50,8 +50,11 @@ def unpermute_backward(grad_TD, y_ND, weight_TK, token_N, slot_N):
     """(grad of y_ND, grad of weight_TK) of the weighted gather-sum (dropped slots masked by the caller)."""
     grad_ND = grad_TD.contiguous().index_select(0, token_N)     # gathered once for both gradients
     weight_N = weight_TK.reshape(-1).index_select(0, slot_N).to(grad_ND.dtype)
-    grad_y = grad_ND * weight_N[:, None]
-    dots_N = (grad_ND.float() * y_ND.float()).sum(-1)
+    if grad_ND.dtype in (torch.float32, torch.float64):
+        dots_N = torch.linalg.vecdot(grad_ND, y_ND.to(grad_ND.dtype))   # no N x D product in memory
+    else:
+        dots_N = (grad_ND.float() * y_ND.float()).sum(-1)
+    grad_y = grad_ND.mul_(weight_N[:, None])                    # the gathered copy is ours to scale
     grad_w = torch.zeros(weight_TK.numel(), dtype=torch.float32, device=grad_ND.device)
     grad_w.index_copy_(0, slot_N, dots_N)                       # slots are distinct: no sum
     return grad_y, grad_w.view(weight_TK.shape).to(weight_TK.dtype)
@@ -115,11 +118,11 @@ def grouped_mm_weight_grad(x_XI, dy_NO, counts_e, rows_N=None, sync_free=False):
     x_NI = x_XI if rows_N is None else x_XI.index_select(0, rows_N)
     if sync_free and _fits_grouped_mm(x_NI, dy_NO):
         return torch._grouped_mm(x_NI.t(), dy_NO, offs=_offsets(counts_e))
-    dw = x_NI.new_zeros(counts_e.numel(), x_NI.shape[1], dy_NO.shape[1])
+    # Every expert's slice is written (an empty segment's product is zeros), so no zero fill first.
+    dw = x_NI.new_empty(counts_e.numel(), x_NI.shape[1], dy_NO.shape[1])
     start = 0
     for e, n in enumerate(counts_e.tolist()):
-        if n:
-            torch.matmul(x_NI[start:start + n].t(), dy_NO[start:start + n], out=dw[e])
+        torch.matmul(x_NI[start:start + n].t(), dy_NO[start:start + n], out=dw[e])
         start += n
     return dw
 
@@ -143,17 +146,100 @@ def expert_row_sums(dy_NO, counts_e, dtype, sync_free=False):
     return torch.stack(sums).to(dtype) if sums else dy_NO.new_zeros(0, dy_NO.shape[1], dtype=dtype)
 
 
-FUSED_MLP_ACTIVATIONS = ("gelu", "relu")
+# The activations the fused MLP takes, by name (a string, so the custom op can carry it):
+# "gelu", "relu", "swiglu" (SiLU of the gate half times the up half, gate first), and gated specs
+# "glu:<act>:<layout>" (act one of GLU_ACTS, layout "split" or "interleaved") and
+# "clamped_swiglu:<alpha>:<limit>:<layout>" (gpt-oss). fmoe.experts.fused_activation_spec names them.
+FUSED_MLP_ACTIVATIONS = ("gelu", "relu", "swiglu")
+GLU_ACTS = ("silu", "gelu", "gelu_tanh", "relu")
 
 
-def _activation(h, name):
-    return torch.nn.functional.gelu(h) if name == "gelu" else torch.relu(h)
+def parse_activation(spec: str):
+    """(kind, act, layout, alpha, limit) of a fused activation spec; ValueError for any other string."""
+    if spec in ("gelu", "relu"):
+        return spec, spec, None, None, None
+    if spec == "swiglu":
+        return "glu", "silu", "split", None, None
+    parts = spec.split(":")
+    if parts[0] == "glu" and len(parts) == 3 and parts[1] in GLU_ACTS and parts[2] in ("split", "interleaved"):
+        return "glu", parts[1], parts[2], None, None
+    if parts[0] == "clamped_swiglu" and len(parts) == 4 and parts[3] in ("split", "interleaved"):
+        return "clamped_swiglu", None, parts[3], float(parts[1]), float(parts[2])
+    raise ValueError(f"not a fused MLP activation: {spec!r}")
 
 
-def _activation_backward(grad, h, name):
-    if name == "gelu":
-        return torch.ops.aten.gelu_backward(grad, h)
+def fused_activation_ok(spec) -> bool:
+    try:
+        return isinstance(spec, str) and parse_activation(spec) is not None
+    except ValueError:
+        return False
+
+
+def _halves(h, layout):
+    if layout == "interleaved":
+        return h[:, 0::2], h[:, 1::2]
+    F = h.shape[1] // 2
+    return h[:, :F], h[:, F:]
+
+
+def _plain_act(h, act):
+    if act == "silu":
+        return torch.nn.functional.silu(h)
+    if act in ("gelu", "gelu_tanh"):
+        return torch.nn.functional.gelu(h, approximate="tanh" if act == "gelu_tanh" else "none")
+    return torch.relu(h)
+
+
+def _plain_act_backward(grad, h, act):
+    if act == "silu":
+        return torch.ops.aten.silu_backward(grad, h)
+    if act in ("gelu", "gelu_tanh"):
+        return torch.ops.aten.gelu_backward(grad, h, approximate="tanh" if act == "gelu_tanh" else "none")
     return grad * (h > 0)
+
+
+def _activation(h, spec):
+    """The activation of one expert's hidden rows h (width F, or 2F when gated)."""
+    kind, act, layout, alpha, limit = parse_activation(spec)
+    if kind in ("gelu", "relu"):
+        return _plain_act(h, act)
+    gate, up = _halves(h, layout)
+    if kind == "glu":
+        return _plain_act(gate, act).mul_(up)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1).mul_(gate * torch.sigmoid(gate * alpha))
+
+
+def _activation_vjp(h, spec):
+    """(activation of h, grad -> d activation / d h): the backward's recompute, sharing the
+    forward's intermediates with the gradient; the same masks as torch's autograd."""
+    kind, act, layout, alpha, limit = parse_activation(spec)
+    if kind in ("gelu", "relu"):
+        return _plain_act(h, act), lambda grad: _plain_act_backward(grad, h, act)
+    gate, up = _halves(h, layout)
+    if kind == "glu":
+        act_gate = _plain_act(gate, act)
+
+        def vjp(grad):
+            dh = torch.empty_like(h)
+            dgate, dup = _halves(dh, layout)
+            dgate.copy_(_plain_act_backward(grad * up, gate, act))
+            torch.mul(grad, act_gate, out=dup)
+            return dh
+        return act_gate * up, vjp
+    gate_c, up_c = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    sig = torch.sigmoid(gate_c * alpha)
+    glu = gate_c * sig
+
+    def vjp(grad):
+        dh = torch.empty_like(h)
+        dgate, dup = _halves(dh, layout)
+        # d(g sigmoid(alpha g))/dg = sigmoid + alpha g sigmoid (1 - sigmoid); a clamp passes where in range.
+        d_glu = grad * (up_c + 1)
+        dgate.copy_(torch.where(gate <= limit, d_glu * (sig + alpha * glu * (1 - sig)), 0))
+        dup.copy_(torch.where((up >= -limit) & (up <= limit), grad * glu, 0))
+        return dh
+    return (up_c + 1) * glu, vjp
 
 
 def expert_mlp_forward(x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD):
@@ -180,23 +266,30 @@ def expert_mlp_forward(x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)
     return y_ND, h_NF
 
 
-def expert_mlp_backward(dy_ND, x_ND, counts_e, activation, w1_eDF, w2_eFD, h_NF):
-    """(dx, dw1, dw2, db1, db2) of expert_mlp_forward."""
+def expert_mlp_backward(dy_ND, x_ND, counts_e, activation, w1_eDF, w2_eFD, h_NF, with_bias=True):
+    """(dx, dw1, dw2, db1, db2) of expert_mlp_forward; db1 and db2 are empty without biases."""
     dy_ND = dy_ND.contiguous()
-    dx_ND = torch.zeros_like(x_ND)
+    dx_ND = torch.empty_like(x_ND)
     dw1, dw2 = torch.empty_like(w1_eDF), torch.empty_like(w2_eFD)
-    db1, db2 = h_NF.new_empty(w1_eDF.shape[0], w1_eDF.shape[2]), dy_ND.new_empty(w2_eFD.shape[0], w2_eFD.shape[2])
+    if with_bias:
+        db1 = h_NF.new_empty(w1_eDF.shape[0], w1_eDF.shape[2])
+        db2 = dy_ND.new_empty(w2_eFD.shape[0], w2_eFD.shape[2])
+    else:
+        db1, db2 = h_NF.new_empty(0), dy_ND.new_empty(0)
     start = 0
     for e, n in enumerate(counts_e.tolist()):
         rows = slice(start, start + n)
         h, dy = h_NF[rows], dy_ND[rows]
-        torch.mm(_activation(h, activation).t(), dy, out=dw2[e])
-        dh = _activation_backward(dy @ w2_eFD[e].t(), h, activation)
+        a, vjp = _activation_vjp(h, activation)
+        torch.mm(a.t(), dy, out=dw2[e])
+        dh = vjp(dy @ w2_eFD[e].t())
         torch.mm(x_ND[rows].t(), dh, out=dw1[e])
         torch.mm(dh, w1_eDF[e].t(), out=dx_ND[rows])
-        torch.sum(dh, 0, out=db1[e])
-        torch.sum(dy, 0, out=db2[e])
+        if with_bias:
+            torch.sum(dh, 0, out=db1[e])
+            torch.sum(dy, 0, out=db2[e])
         start += n
+    dx_ND[start:].zero_()
     return dx_ND, dw1, dw2, db1, db2
 
 
