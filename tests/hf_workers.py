@@ -41,3 +41,37 @@ def check_family_ep(rank, world_size, family, folder):
         plain = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
         with torch.no_grad():
             torch.testing.assert_close(plain(ids).logits, want.logits, **TOL)
+
+
+def check_load_takes_turns(rank, world_size, folder, log_folder):
+    """fmoe.hf.load at ep_size=2: the ranks read the checkpoint one after the other (their reads
+    never overlap), each keeps half of every block's experts, and the logits equal transformers'."""
+    import json
+    import time
+
+    import fmoe.hf.loading as load_module
+    read = load_module._read
+
+    def timed_read(*args):
+        start = time.time()
+        model = read(*args)
+        time.sleep(0.3)                 # widen the window an overlap would show in
+        with open(f"{log_folder}/{rank}.json", "w") as f:
+            json.dump([start, time.time()], f)
+        return model
+
+    load_module._read = timed_read
+    model = fmoe.hf.load(folder, ep_size=world_size)
+    load_module._read = read
+    blocks = fmoe.hf.converted_blocks(model)
+    assert blocks
+    for _, block in blocks:
+        assert block.moe.experts.w1_eDF.shape[0] * world_size == block.moe.tot_expert
+    torch.distributed.barrier()
+    spans = sorted(json.load(open(f"{log_folder}/{r}.json")) for r in range(world_size))
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start, f"two ranks read the checkpoint at once: {spans}"
+    ids = tokens()
+    want = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids).logits, want(ids).logits, **TOL)

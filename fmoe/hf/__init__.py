@@ -3,6 +3,8 @@
 - `convert(model, ep_size=1)`: a published MoE model's sparse blocks (Mixtral, Qwen2/3-MoE, OLMoE,
   DeepSeek-V2/V3, gpt-oss, GraniteMoe(Shared), PhiMoE, DBRX, Jamba) become fmoe layers with the
   same weights; `export(model, path)` writes them back in the family's own checkpoint layout.
+- `load(path, ep_size=1)`: a checkpoint folder loaded and converted, the EP ranks taking turns so
+  that no two of them hold all experts at once.
 - `moefy(model, num_experts)`: upcycle a dense model's MLPs into fmoe layers;
   `from_pretrained(path)` reloads what `save_pretrained` wrote after `moefy`.
 - Importing this package registers the experts implementation "fmoe" with transformers.
@@ -11,9 +13,10 @@ from fmoe.hf.convert import HFMoEBlock, convert, converted_blocks
 from fmoe.hf.experts_impl import register_experts_implementation
 from fmoe.hf.export import export
 from fmoe.hf.families import FAMILIES
+from fmoe.hf.loading import load
 from fmoe.hf.upcycle import MoEMLP, add_aux_loss, from_pretrained, moefy
 
 register_experts_implementation()
 
-__all__ = ["convert", "export", "converted_blocks", "HFMoEBlock", "FAMILIES", "moefy", "from_pretrained",
+__all__ = ["convert", "load", "export", "converted_blocks", "HFMoEBlock", "FAMILIES", "moefy", "from_pretrained",
            "MoEMLP", "add_aux_loss", "register_experts_implementation"]

@@ -62,12 +62,13 @@ class FinetuneResult:
     history: Path
 
 
-def load_checkpoint(path: str, seq_len: int):
-    """The local transformers checkpoint at `path` in fp32, checked against the byte corpus."""
+def load_checkpoint(path: str, seq_len: int, ep_size: int = 1, moe_group=None):
+    """The local transformers checkpoint at `path` in fp32, converted to fmoe layers (each EP rank
+    loading in turn and keeping its own experts), checked against the byte corpus."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"--hf-model {path!r}: expected a local transformers checkpoint folder with a config.json")
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = fmoe.hf.load(folder, ep_size=ep_size, moe_group=moe_group, dtype=torch.float32)
     vocab = model.get_output_embeddings().weight.shape[0]
     if vocab < BYTES:
         raise ValueError(f"--hf-model {path!r}: the model's vocabulary ({vocab}) must hold the corpus's {BYTES} "
@@ -124,8 +125,8 @@ def _finetune(hf_model, cfg, seq_len, groups, log) -> FinetuneResult:
     log(f"corpus: {corpus.source}: {corpus.num_files} files, {corpus.num_bytes / 2**20:.2f} MiB"
         f"{' (capped)' if corpus.truncated else ''}")
 
-    model = load_checkpoint(hf_model, seq_len)
-    fmoe.hf.convert(model, ep_size=groups.ep_size if groups else 1, moe_group=groups.moe_group if groups else None)
+    model = load_checkpoint(hf_model, seq_len, ep_size=groups.ep_size if groups else 1,
+                            moe_group=groups.moe_group if groups else None)
     model.to(device)
     synced = DistributedGroupedDataParallel(model, groups=groups) if groups else None
     optimizer = make_optimizer(model, cfg)
