@@ -198,3 +198,30 @@ def test_expert_layouts_read_and_write_back(family):
     state = block.state_dict()
     for key, tensor in layout.write(w).items():
         assert torch.equal(tensor, state[key]), key
+
+
+def test_export_is_atomic_per_file(tmp_path, monkeypatch):
+    """A failed export leaves the previous one whole and no staging folder; files get a plain mode."""
+    import os
+    import sys
+    from fmoe.files import UMASK
+    export_module = sys.modules["fmoe.hf.export"]       # fmoe.hf.export is the function
+    model = fmoe.hf.convert(tiny("qwen3_moe"))
+    out = tmp_path / "exported"
+    fmoe.hf.export(model, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"config.json", "model.safetensors"} <= set(before)
+    assert all(os.stat(p).st_mode & 0o777 == 0o666 & ~UMASK for p in out.iterdir())
+
+    def broken_save(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_module, "save_file", broken_save)
+    with torch.no_grad():
+        next(model.parameters()).add_(1)
+    with pytest.raises(OSError, match="No space"):
+        fmoe.hf.export(model, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["exported"]

@@ -1,4 +1,7 @@
 """`export`: a converted model back in its family's own checkpoint layout, loadable by plain transformers."""
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -6,6 +9,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from fmoe.files import UMASK, fsync_dir
 from fmoe.hf.convert import HFMoEBlock
 from fmoe.hf.families import BY_NAME, ExpertWeights
 
@@ -58,17 +62,28 @@ def export(model: nn.Module, path) -> Path:
     """Write `model` (converted with fmoe.hf.convert) to the folder `path` as its original family's
     checkpoint: config.json and model.safetensors, which `AutoModelForCausalLM.from_pretrained(path)`
     loads with no fmoe installed. Under expert parallelism every rank must call it (the experts
-    are gathered); global rank 0 writes. Returns the path."""
+    are gathered); global rank 0 writes. The files are written into a staging folder beside `path`,
+    fsynced, then renamed into it: each file in `path` is whole, the old one or the new. Returns the path."""
     path = Path(path)
     state = hf_state_dict(model)
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return path
     path.mkdir(parents=True, exist_ok=True)
-    # Tied tensors (lm_head = embeddings) share storage, which safetensors refuses: each gets its own copy.
-    save_file({key: t.detach().contiguous().clone().cpu() for key, t in state.items()},
-              str(path / "model.safetensors"), metadata={"format": "pt"})
-    model.config.save_pretrained(path)
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None:
-        generation_config.save_pretrained(path)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.export.", dir=path.parent))
+    try:
+        # Tied tensors (lm_head = embeddings) share storage, which safetensors refuses: each gets its own copy.
+        save_file({key: t.detach().contiguous().clone().cpu() for key, t in state.items()},
+                  str(staging / "model.safetensors"), metadata={"format": "pt"})
+        model.config.save_pretrained(staging)
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(staging)
+        for src in sorted(staging.iterdir()):
+            with open(src, "rb") as f:
+                os.fsync(f.fileno())
+            os.chmod(src, 0o666 & ~UMASK)           # a plain open()'s mode (safetensors writes 0600)
+            os.replace(src, path / src.name)
+        fsync_dir(path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return path

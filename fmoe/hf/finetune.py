@@ -1,16 +1,13 @@
 """`fmoe train --hf-model PATH`: fine-tune a transformers MoE checkpoint with fmoe's expert parallelism.
 
-The checkpoint is loaded on every rank, converted with `fmoe.hf.convert` (each of the ep_size
-ranks of an expert-parallel group keeps its slice of every block's experts), trained on fmoe's
+The checkpoint is loaded and converted with `fmoe.hf.load` (the ep_size ranks of an
+expert-parallel group take turns, each keeping its slice of every block's experts), trained on fmoe's
 byte corpus (the token ids are the bytes, 0-255) with `fmoe train`'s optimizer, learning-rate
 schedule and gradient clipping, the gradients synced by DistributedGroupedDataParallel, and
 exported with `fmoe.hf.export` to `out`, which plain transformers then loads. There is no
 checkpoint to resume from: the exported model, written at the end, is the run's output.
 """
 import math
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +20,7 @@ import transformers
 import fmoe.hf
 from fmoe.data import BatchSampler, load_corpus
 from fmoe.distributed.ddp import DistributedGroupedDataParallel, clip_grad_norm_
-from fmoe.files import UMASK, fsync_dir, write_json
+from fmoe.files import write_json
 from fmoe.train import (TrainConfig, end_with_parent, init_distributed, launched_by_torchrun, lr_at,
                         make_optimizer, mean_over_ranks, resolve_device)
 
@@ -78,24 +75,6 @@ def load_checkpoint(path: str, seq_len: int, ep_size: int = 1, moe_group=None):
         raise ValueError(f"--seq-len {seq_len}: a window of seq_len + 1 tokens must fit the model's "
                          f"max_position_embeddings ({positions})")
     return model
-
-
-def export_atomically(model, out: Path, rank: int):
-    """fmoe.hf.export into a staging folder beside `out`, then each file fsynced and renamed into
-    `out`: every file there is whole, old or new (a collective under expert parallelism)."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export.", dir=out.parent)) if rank == 0 else None
-    try:
-        fmoe.hf.export(model, staging or out)       # other ranks only send their experts
-        if rank == 0:
-            for src in sorted(staging.iterdir()):
-                with open(src, "rb") as f:
-                    os.fsync(f.fileno())
-                os.chmod(src, 0o666 & ~UMASK)       # a plain open()'s mode (safetensors writes 0600)
-                os.replace(src, out / src.name)
-            fsync_dir(out)
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
 
 
 def finetune(hf_model: str, cfg: TrainConfig, seq_len: int = 128,
@@ -166,7 +145,7 @@ def _finetune(hf_model, cfg, seq_len, groups, log) -> FinetuneResult:
     seconds = time.perf_counter() - start
 
     model.eval()
-    export_atomically(model, out, rank)
+    fmoe.hf.export(model, out)                  # atomic per file; every rank sends its experts
     history_path = out / "history.json"
     if rank == 0:
         write_json(history_path, history)
