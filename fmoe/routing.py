@@ -56,6 +56,10 @@ class RoutingPlan:
         key_of_E = torch.arange(num_experts, device=idx_S.device)
         if shadow_policy is not None and world_size > 1:
             experts_S = shadow_policy.choose(counts_E, world_size, group)
+            bad = [e for e in experts_S if not isinstance(e, int) or not 0 <= e < num_experts]
+            if bad or len(set(experts_S)) != len(experts_S):
+                raise ValueError(f"{type(shadow_policy).__name__}.choose returned {list(experts_S)}: expected "
+                                 f"distinct expert ids in [0, {num_experts})")
             if experts_S:
                 shadowed = torch.tensor(experts_S, device=idx_S.device)
                 key_of_E[shadowed] = num_experts + torch.arange(len(experts_S), device=idx_S.device)

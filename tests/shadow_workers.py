@@ -179,15 +179,15 @@ def check_deepspeed_shadowing_equals_off(rank, world):
 
 def check_megatron_shadowing_equals_off(rank, world):
     """A 2-layer Megatron-Core GPT with fmoe MLPs (expert parallel = world), trained with Megatron's
-    DDP, Adam and schedules: two steps with experts 0 and 2 * world - 1 shadowed equal two without,
+    DDP, Adam and schedules: two steps with the first and the last expert shadowed equal two without,
     in losses, grad norms, every gradient of the last step and every parameter after it."""
     from megatron.core import parallel_state
 
     from fmoe.megatron import training
-    from tests.test_megatron import batch, gpt
+    from tests.test_megatron import EXPERTS, batch, gpt
 
     runs = []
-    for shadow in (None, FixedShadow([0, 2 * world - 1])):
+    for shadow in (None, FixedShadow([0, EXPERTS - 1])):      # the first and the last rank's experts
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         training.initialize(1, world, seed=7)       # the same initial weights in both runs

@@ -108,12 +108,32 @@ def test_simulate_compares_with_a_bench_run_and_sets_paper_clusters(tmp_path, ca
     assert "R^2 = 1.000" in capsys.readouterr().out
 
 
-def test_shadowing_inside_deepspeed_equals_off():
+@pytest.mark.parametrize("world", [2, 4])
+def test_shadowing_inside_deepspeed_equals_off(world):
     pytest.importorskip("deepspeed")
     from tests.test_deepspeed import run_deepspeed_ranks
-    run_deepspeed_ranks(shadow_workers.check_deepspeed_shadowing_equals_off, 2)
+    run_deepspeed_ranks(shadow_workers.check_deepspeed_shadowing_equals_off, world)
 
 
-def test_shadowing_inside_megatron_equals_off():
+@pytest.mark.parametrize("world", [2, 4])
+def test_shadowing_inside_megatron_equals_off(world):
     pytest.importorskip("megatron.core")
-    run_ranks(shadow_workers.check_megatron_shadowing_equals_off, 2)
+    run_ranks(shadow_workers.check_megatron_shadowing_equals_off, world)
+
+
+def test_a_policy_naming_an_unknown_expert_is_refused_by_name():
+    from fmoe.distributed.shadow import ShadowPolicy
+    from fmoe.routing import RoutingPlan
+
+    class Wrong(ShadowPolicy):
+        def __init__(self, experts):
+            super().__init__(PerfModel(8, 16))
+            self.experts = experts
+
+        def choose(self, counts_E, world_size, group=None):
+            return self.experts
+
+    idx = torch.tensor([[0], [1], [3]])
+    for experts in ([4], [-1], [1, 1]):
+        with pytest.raises(ValueError, match=r"Wrong.choose returned .* distinct expert ids in \[0, 4\)"):
+            RoutingPlan.build(idx, 4, world_size=2, shadow_policy=Wrong(experts))
