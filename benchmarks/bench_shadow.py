@@ -109,7 +109,7 @@ def ideal_speedup(counts_WE: torch.Tensor, d_model: int, d_hidden: int) -> tuple
 
 def worker(rank, world, args):
     e = args.num_expert // world
-    model = calibrate(PerfModel(args.d_model, args.d_hidden), size=512)
+    model = calibrate(PerfModel(args.d_model, args.d_hidden), size=512, tokens=args.tokens)
     cases = dict(CASES, **{d: d for d in args.extra})
     results = {}
     for case, distribution in cases.items():
@@ -137,7 +137,8 @@ def worker(rank, world, args):
         row["forced_speedup"] = row["off_s"] / row["forced_s"]
         row["fraction_of_ideal"] = row["speedup"] / row["ideal_speedup"]
         results[case] = row
-    return {"results": results, "model": {"flops": model.flops, "net_bandwidth": model.net_bandwidth}}
+    return {"results": results, "model": {"flops": model.flops, "net_bandwidth": model.net_bandwidth,
+                                          "overhead_per_row": model.overhead_per_row}}
 
 
 def main(argv=None):
@@ -160,7 +161,8 @@ def main(argv=None):
     out = run_on_ranks(worker, 2, args)
     m = out["model"]
     print(f"2 ranks x 1 thread, gloo; {args.tokens} tokens/rank, D={args.d_model} F={args.d_hidden}, "
-          f"{args.num_expert} experts, top-1; model: {m['flops'] / 1e9:.0f} GFLOP/s, {m['net_bandwidth'] / 1e9:.2f} GB/s")
+          f"{args.num_expert} experts, top-1; model: {m['flops'] / 1e9:.0f} GFLOP/s, {m['net_bandwidth'] / 1e9:.2f} GB/s, "
+          f"{m['overhead_per_row'] * 1e6:.2f} us per row")
     print(f"{'case':22s}{'off ms':>8s}{'dynamic':>9s}{'static':>8s}{'forced':>8s}{'speedup':>9s}{'ideal':>7s}"
           f"{'of ideal':>9s}{'static x':>9s}{'forced x':>9s}  shadowed")
     for name, r in out["results"].items():

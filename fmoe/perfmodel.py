@@ -10,6 +10,10 @@ with s the bytes per element. The layer takes as long as its slowest worker. Sha
 experts moves their rows home (loads B -> B') and costs a broadcast of their parameters and a
 reduction of their gradients: 2 * r * 2 * alpha * H^2 * s / W_net.
 
+Besides, every worker spends a fixed time per routed row of its own tokens (the gate, the
+permutes, the exchange's bookkeeping): `overhead_per_row`, 0 unless calibrated. It is the same
+on every worker and does not change the policy, but it is there in a measured step.
+
 The smart schedule splits the exchange into `steps` chunks and pipelines the three stages of
 each pass (rows out, compute, rows back; forward, then backward with twice the compute): a
 pipeline of stages a, b, c over n chunks takes (a + b + c) / n + (n - 1) * max(a, b, c) / n.
@@ -30,6 +34,7 @@ class PerfModel:
     flops: float = 11.5e12          # P: compute throughput, FLOP/s
     net_bandwidth: float = 50e9 / 8  # W_net: bytes/s per worker
     bytes_per_element: int = 4
+    overhead_per_row: float = 0.0   # seconds per routed row of a worker's own tokens, fwd + bwd
 
     @property
     def alpha(self) -> float:
@@ -82,7 +87,8 @@ class PerfModel:
         """Modelled time of the layer: Lat_imbl with no shadowed experts, Lat_shadow(r) otherwise."""
         rows_W = self.worker_rows(counts_WE, shadowed)
         slowest = max(self.worker_time(float(b), schedule_steps) for b in rows_W)
-        return slowest + self.shadow_cost(len(shadowed))
+        own_rows = float(counts_WE.sum(1).max())
+        return slowest + self.shadow_cost(len(shadowed)) + self.overhead_per_row * own_rows
 
     def choose_shadowed(self, counts_WE: torch.Tensor, schedule_steps: int = 1) -> List[int]:
         """Algorithm 1: hottest experts first, shadowed one by one while the modelled time falls.
@@ -107,18 +113,35 @@ def pipeline_time(stages: Sequence[float], steps: int) -> float:
     return sum(stages) / steps + (steps - 1) * max(stages) / steps
 
 
-def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5) -> PerfModel:
-    """Measure this machine's matmul FLOP/s and, when distributed, all-to-all bytes/s."""
-    import torch.distributed as dist
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    a @ b
-    start = time.perf_counter()
+def _median_time(fn, reps: int) -> float:
+    fn()
+    times = []
     for _ in range(reps):
-        a @ b
-    flops = 2 * size ** 3 * reps / (time.perf_counter() - start)
-    bandwidth = model.net_bandwidth
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tokens: int = 0) -> PerfModel:
+    """Measure this machine's constants for `model`'s shapes: the FLOP/s of one expert's MLP
+    (forward and backward over `size` rows, fmoe's own kernels), and, when distributed, the
+    all-to-all bytes/s and, with `tokens` > 0, the fixed time per routed row (a layer step over
+    `tokens` tokens with experts of width 1, less its modelled compute and traffic)."""
+    import torch.distributed as dist
+
+    from fmoe.experts import GroupedExperts
+    experts = GroupedExperts(1, model.d_model, model.d_hidden, "gelu", bias=True)
+    x = torch.randn(size, model.d_model, requires_grad=True)
+    counts = torch.tensor([size])
+
+    def expert_step():
+        experts.zero_grad(set_to_none=True)
+        experts(x, counts).sum().backward()
+    flops = 3 * 4 * size * model.alpha * model.d_model ** 2 / _median_time(expert_step, reps)
+    bandwidth, overhead = model.net_bandwidth, model.overhead_per_row
+    distributed = dist.is_initialized() and dist.get_world_size(group) > 1
+    if distributed:
         buf = torch.randn(size * 256)
         out = torch.empty_like(buf)
         dist.all_to_all_single(out, buf, group=group)
@@ -126,7 +149,46 @@ def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5) -> 
         for _ in range(reps):
             dist.all_to_all_single(out, buf, group=group)
         bandwidth = buf.numel() * buf.element_size() * reps / (time.perf_counter() - start)
-        both = torch.tensor([flops, bandwidth], dtype=torch.double)
+    measured = replace(model, flops=flops, net_bandwidth=bandwidth)
+    if distributed and tokens > 0:
+        overhead = _overhead_per_row(measured, group, tokens, reps)
+    if distributed:
+        both = torch.tensor([flops, bandwidth, overhead], dtype=torch.double)
         dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)   # everyone must use the same model
-        flops, bandwidth = both.tolist()
-    return replace(model, flops=flops, net_bandwidth=bandwidth)
+        flops, bandwidth, _ = both.tolist()
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        overhead = both[2].item()
+    return replace(model, flops=flops, net_bandwidth=bandwidth, overhead_per_row=overhead)
+
+
+def _overhead_per_row(model: PerfModel, group, tokens: int, reps: int) -> float:
+    """A layer step's time beyond the modelled expert compute and traffic, per routed row: one
+    expert per worker of width 1, top-1, a uniform round-robin routing, same d_model."""
+    import torch.distributed as dist
+
+    import fmoe
+    from fmoe.gates.base import BaseGate, LinearRouter
+
+    class RoundRobin(BaseGate):
+        def __init__(self, d_model, num_expert, world_size=1, top_k=1, **_):
+            super().__init__(d_model, num_expert, world_size, 1)
+            self.gate = LinearRouter(d_model, self.tot_expert)
+
+        def route(self, x_TD):
+            idx_TK = (torch.arange(x_TD.shape[0], device=x_TD.device) % self.tot_expert)[:, None]
+            logits_TE = self.gate(x_TD)
+            weight_TK = torch.sigmoid(logits_TE.gather(1, idx_TK).float())
+            return idx_TK, weight_TK, weight_TK, logits_TE, logits_TE.new_zeros(())
+
+    world = dist.get_world_size(group)
+    layer = fmoe.FMoETransformerMLP(num_expert=1, d_model=model.d_model, d_hidden=1, top_k=1, world_size=world,
+                                    moe_group=group, gate=RoundRobin)
+    x = torch.randn(tokens, model.d_model, requires_grad=True)
+
+    def layer_step():
+        dist.barrier(group=group)
+        layer(x).sum().backward()
+    seconds = _median_time(layer_step, reps)
+    counts_WE = torch.full((world, world), tokens / world, dtype=torch.double)
+    tiny = replace(model, d_hidden=1)
+    return max(0.0, seconds - tiny.layer_time(counts_WE)) / tokens

@@ -4,11 +4,12 @@ For each number of GPUs and each distribution of tokens over experts, the modell
 one MoE layer with plain expert parallelism, with shadowing, with the smart schedule, and with
 both; printed as a table, written as JSON and plotted.
 
-`--calibrate` measures this machine's constants first (matmul FLOP/s and all-to-all bytes/s over
-2 gloo ranks, one thread each, as bench_shadow runs). `--compare FILE` predicts the step times a
-`benchmarks/bench_shadow.py --out FILE` run measured (every case, shadowing off, dynamic and
-forced, from its measured per-rank counts) and writes their R^2 and a predicted-vs-measured
-plot. `--paper` sets FasterMoE's published clusters beside its published speedups.
+`--calibrate` measures this machine's constants first (an expert MLP's FLOP/s and all-to-all
+bytes/s over 2 gloo ranks, one thread each, as bench_shadow runs). `--compare FILE` predicts the
+step times a `benchmarks/bench_shadow.py --out FILE` run measured (every case, shadowing off,
+dynamic and forced, from its measured per-rank counts) and writes their R^2 and a
+predicted-vs-measured plot; with `--calibrate` the constants (and the fixed time per routed row)
+are measured here at that run's shapes, without it the ones the run measured are used. `--paper` sets FasterMoE's published clusters beside its published speedups.
 """
 import argparse
 import json
@@ -92,25 +93,26 @@ def plot(rows: List[dict], distributions: List[str], path: Path):
     plt.close(fig)
 
 
-def _calibrate_rank(rank, world, store, d_model, d_hidden, queue):
+def _calibrate_rank(rank, world, store, d_model, d_hidden, tokens, queue):
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    model = calibrate(PerfModel(d_model, d_hidden), size=512)
+    model = calibrate(PerfModel(d_model, d_hidden), size=512, tokens=tokens)
     if rank == 0:
-        queue.put((model.flops, model.net_bandwidth))
+        queue.put((model.flops, model.net_bandwidth, model.overhead_per_row))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def calibrate_here(d_model: int, d_hidden: int) -> tuple:
-    """(FLOP/s, bytes/s) measured on 2 gloo ranks of this machine, one thread each."""
+def calibrate_here(d_model: int, d_hidden: int, tokens: int = 0) -> tuple:
+    """(FLOP/s, bytes/s, seconds per routed row) measured on 2 gloo ranks of this machine, one
+    thread each, for these shapes (the per-row overhead only with `tokens` > 0, else 0)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fmoe-calibrate-") as folder:
         procs = [ctx.Process(target=_calibrate_rank, args=(r, 2, os.path.join(folder, "store"), d_model, d_hidden,
-                                                           queue)) for r in range(2)]
+                                                           tokens, queue)) for r in range(2)]
         for proc in procs:
             proc.start()
         result = queue.get()
@@ -124,11 +126,12 @@ def r_squared(measured: List[float], predicted: List[float]) -> float:
     return float(1 - ((m - p) ** 2).sum() / ((m - m.mean()) ** 2).sum())
 
 
-def compare(bench_json: Path, flops: float, net_bw: float, out: Path) -> dict:
+def compare(bench_json: Path, flops: float, net_bw: float, out: Path, overhead_per_row: float = 0.0) -> dict:
     """Predicted against measured step times of a bench_shadow run; R^2, JSON and plot."""
     data = json.loads(Path(bench_json).read_text())
     cfg = data["config"]
-    model = PerfModel(cfg["d_model"], cfg["d_hidden"], flops=flops, net_bandwidth=net_bw)
+    model = PerfModel(cfg["d_model"], cfg["d_hidden"], flops=flops, net_bandwidth=net_bw,
+                      overhead_per_row=overhead_per_row)
     points = []
     for case, r in data["results"].items():
         counts_WE = torch.tensor(r["counts_WE"], dtype=torch.double)
@@ -137,13 +140,15 @@ def compare(bench_json: Path, flops: float, net_bw: float, out: Path) -> dict:
             points.append({"case": case, "variant": variant, "measured_s": r[f"{variant}_s"],
                            "predicted_s": model.layer_time(counts_WE, shadowed)})
     r2 = r_squared([p["measured_s"] for p in points], [p["predicted_s"] for p in points])
-    print(f"predicted vs measured ({bench_json}; {flops / 1e9:.1f} GFLOP/s, {net_bw / 1e9:.3f} GB/s):")
+    print(f"predicted vs measured ({bench_json}; {flops / 1e9:.1f} GFLOP/s, {net_bw / 1e9:.3f} GB/s, "
+          f"{overhead_per_row * 1e6:.2f} us per row):")
     for p in points:
         print(f"  {p['case']:22s}{p['variant']:>8s}{p['measured_s'] * 1e3:10.1f} ms measured"
               f"{p['predicted_s'] * 1e3:10.1f} ms predicted")
     print(f"R^2 = {r2:.3f} over {len(points)} points")
     out.mkdir(parents=True, exist_ok=True)
-    result = {"bench": str(bench_json), "flops": flops, "net_bandwidth": net_bw, "r_squared": r2, "points": points}
+    result = {"bench": str(bench_json), "flops": flops, "net_bandwidth": net_bw, "overhead_per_row": overhead_per_row,
+              "r_squared": r2, "points": points}
     write_json(out / "compare.json", result, indent=2)
     import matplotlib
     matplotlib.use("Agg")
@@ -214,14 +219,21 @@ def run(args) -> List[dict]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(g < 1 for g in args.gpus):
         raise ValueError(f"--gpus must be positive, got {args.gpus}")
-    if args.calibrate:
-        args.flops, args.net_bw = calibrate_here(args.d_model, args.d_hidden)
-        print(f"calibrated here: {args.flops / 1e9:.1f} GFLOP/s, {args.net_bw / 1e9:.3f} GB/s")
     if args.compare:
         bench = json.loads(Path(args.compare).read_text())
-        flops, net_bw = (args.flops, args.net_bw) if args.calibrate else \
-            (bench["model"]["flops"], bench["model"]["net_bandwidth"])
-        compare(Path(args.compare), flops, net_bw, Path(args.out))
+        if args.calibrate:          # this machine's constants at the bench run's shapes
+            cfg = bench["config"]
+            flops, net_bw, overhead = calibrate_here(cfg["d_model"], cfg["d_hidden"], cfg["tokens"])
+            print(f"calibrated here at the bench's shapes (d_model {cfg['d_model']}, d_hidden {cfg['d_hidden']}, "
+                  f"{cfg['tokens']} tokens): {flops / 1e9:.1f} GFLOP/s, {net_bw / 1e9:.3f} GB/s, "
+                  f"{overhead * 1e6:.2f} us per row")
+        else:                       # the constants the bench run measured for itself
+            m = bench["model"]
+            flops, net_bw, overhead = m["flops"], m["net_bandwidth"], m.get("overhead_per_row", 0.0)
+        compare(Path(args.compare), flops, net_bw, Path(args.out), overhead)
+    elif args.calibrate:
+        args.flops, args.net_bw, _ = calibrate_here(args.d_model, args.d_hidden)
+        print(f"calibrated here: {args.flops / 1e9:.1f} GFLOP/s, {args.net_bw / 1e9:.3f} GB/s")
     model = PerfModel(args.d_model, args.d_hidden, flops=args.flops, net_bandwidth=args.net_bw,
                       bytes_per_element=args.bytes_per_element)
     group = min(args.group_size, args.gpus_per_node)
