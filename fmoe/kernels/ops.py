@@ -20,7 +20,7 @@ def _run(impl: str, name: str, *args):
         from fmoe.kernels import triton_ops
         return getattr(triton_ops, name)(*args)
     from fmoe.kernels import torch_ops
-    if name in ("grouped_mm_rows", "grouped_mm_weight_grad", "expert_row_sums"):
+    if name in ("grouped_mm_rows", "grouped_mm_weight_grad", "expert_row_sums", "gather_sum"):
         return getattr(torch_ops, name)(*args, sync_free=impl == "torch_sync_free")
     return getattr(torch_ops, name)(*args)
 

@@ -24,7 +24,7 @@ def permute_rows(x_TD, token_N):
     return x_TD.index_select(0, token_N)
 
 
-def gather_sum(y_ND, row_of_slot_TK, weight_TK=None):
+def gather_sum(y_ND, row_of_slot_TK, weight_TK=None, sync_free=False):
     """out[t] = sum_k weight[t, k] * y[row_of_slot[t, k]], skipping dropped slots (row -1)."""
     T, K = row_of_slot_TK.shape
     N, D = y_ND.shape
@@ -32,13 +32,16 @@ def gather_sum(y_ND, row_of_slot_TK, weight_TK=None):
     if N == 0 or K == 0:
         return y_ND.new_zeros(T, D)
     # A dropped slot reads row 0 and adds nothing: its read is masked, so a non-finite row can
-    # never leak into another token (0 * inf would be NaN).
+    # never leak into another token (0 * inf would be NaN). With no dropped slot (asked on the
+    # host, where that is allowed) the masking pass is skipped.
     live_TK = row_of_slot_TK >= 0
+    masked = sync_free or not bool(live_TK.all())
     rows_TK = row_of_slot_TK.clamp_min(0)
     scale_TK = live_TK.to(acc_dtype) if weight_TK is None else torch.where(live_TK, weight_TK.to(acc_dtype), 0)
 
     def picked(k):
-        return y_ND.index_select(0, rows_TK[:, k]).to(acc_dtype).masked_fill_(~live_TK[:, k:k + 1], 0)
+        rows = y_ND.index_select(0, rows_TK[:, k]).to(acc_dtype)
+        return rows.masked_fill_(~live_TK[:, k:k + 1], 0) if masked else rows
 
     out_TD = picked(0).mul_(scale_TK[:, :1])
     for k in range(1, K):
