@@ -1,4 +1,5 @@
 """FMoE: gate -> plan -> permute -> (exchange) -> experts -> (exchange) -> unpermute."""
+import dataclasses
 from typing import Optional
 
 import torch
@@ -81,15 +82,22 @@ class FMoE(nn.Module):
     int (the hidden width of one MLP with the routed experts' activation). With
     `shared_expert_gate=True` their summed output is scaled by sigmoid(x @ w) per token
     (Qwen2-MoE's `shared_expert_gate`, a [1, d_model] linear).
+
+    Routing runs in fp32; for an fp16 / bf16 input the combine weights are rounded to the input's
+    dtype first, as FastMoE's gates return them and transformers' MoE blocks cast them.
+    `fp32_combine=True` keeps them fp32 (a little closer to the exact sum, no longer bit-equal to those).
     """
 
     def __init__(self, num_expert=None, d_model=1024, world_size=1, mp_group=None, slice_group=None,
                  moe_group=None, top_k=2, gate=NaiveGate, expert=None, gate_hook=None, mask=None, mask_dict=None,
                  gate_bias=True, d_hidden=None, activation="gelu", expert_bias=True, gate_kwargs=None,
                  backend: Optional[str] = None, shadow=None, schedule=None, schedule_group_size=None,
-                 shared_expert=None, shared_expert_gate=False):
+                 shared_expert=None, shared_expert_gate=False, fp32_combine=False):
         super().__init__()
         positive_int("d_model", d_model)
+        if not isinstance(fp32_combine, bool):
+            raise ValueError(f"fp32_combine must be a bool, got {fp32_combine!r}")
+        self.fp32_combine = fp32_combine
         num_expert = resolve_num_expert(num_expert, expert)
         if d_hidden is not None:
             positive_int("d_hidden", d_hidden)
@@ -233,6 +241,9 @@ class FMoE(nn.Module):
             x_TD = [slice_rows(t, self.slice_group) for t in x_TD]
         inp = x_TD[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_TD, spec)
         routing = self.gate.routing(inp) if isinstance(self.gate, BaseGate) else routing_from_fastmoe_gate(self.gate, inp)
+        if not self.fp32_combine and x_TD[0].dtype in (torch.float16, torch.bfloat16):
+            rounded_TK = routing.weight_TK.to(x_TD[0].dtype).to(routing.weight_TK.dtype)
+            routing = dataclasses.replace(routing, weight_TK=rounded_TK)
         if self.gate_hook is not None:
             self.gate_hook(routing.expert_idx_TK, routing.weight_TK, None)
         expert_idx_TK = routing.expert_idx_TK

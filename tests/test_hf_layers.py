@@ -97,13 +97,24 @@ def test_clamped_swiglu_matches_gpt_oss_with_interleaved_layout_and_biases():
 
 
 def test_gated_experts_run_on_the_grouped_path(monkeypatch):
-    calls = []
+    """No Python loop over experts in the module: the CPU's fused per-expert MLP op once in eager
+    mode, two grouped GEMMs on the sync-free path (compile, CUDA)."""
     import fmoe.kernels as kernels
-    real = kernels.grouped_mm
-    monkeypatch.setattr(kernels, "grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = []
+    for name in ("grouped_mm", "fused_expert_mlp"):
+        real = getattr(kernels, name)
+        def spy(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+        monkeypatch.setattr(kernels, name, spy)
     experts = GroupedExperts(4, D, H, ClampedSwiGLU())
-    experts(torch.randn(10, D), torch.tensor([3, 0, 5, 2]))
-    assert len(calls) == 2      # one grouped GEMM per projection, whatever the number of experts
+    x, counts = torch.randn(10, D), torch.tensor([3, 0, 5, 2])
+    eager = experts(x, counts)
+    assert calls == ["fused_expert_mlp"]
+    calls.clear()
+    monkeypatch.setenv("FMOE_SYNC_FREE", "1")
+    torch.testing.assert_close(experts(x, counts), eager)
+    assert calls == ["grouped_mm", "grouped_mm"]
 
 
 def test_bad_gated_activation():

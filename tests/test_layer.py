@@ -180,3 +180,22 @@ def test_gated_activation_with_an_arbitrary_fn_runs_unfused():
     x = torch.randn(5, 8)
     ref = torch.cat([experts.expert_forward(0, x[:2]), experts.expert_forward(2, x[2:])])
     torch.testing.assert_close(experts(x, counts), ref)
+
+
+def test_bf16_combine_weights_are_rounded_to_the_input_dtype_unless_fp32_combine():
+    """FastMoE's gates hand back bf16 scores and transformers casts its routing weights to the
+    hidden dtype: by default the combine uses the weights rounded so; fp32_combine keeps fp32."""
+    torch.manual_seed(0)
+    layer = fmoe.FMoETransformerMLP(num_expert=4, d_model=16, d_hidden=32, top_k=2).to(torch.bfloat16)
+    x = torch.randn(64, 16).to(torch.bfloat16)
+    routing = layer.gate.routing(x)
+    assert routing.weight_TK.dtype == torch.float32
+    plan = fmoe.routing.RoutingPlan.build(routing.expert_idx_TK, 4)
+    y_ND = layer.experts(fmoe.kernels.permute(x, plan), plan.counts_E)
+    rounded = routing.weight_TK.to(torch.bfloat16).float()
+    assert not torch.equal(rounded, routing.weight_TK)
+    assert torch.equal(layer(x), fmoe.kernels.unpermute(y_ND, plan, rounded))
+    layer.fp32_combine = True
+    assert torch.equal(layer(x), fmoe.kernels.unpermute(y_ND, plan, routing.weight_TK))
+    with pytest.raises(ValueError, match="fp32_combine must be a bool"):
+        fmoe.FMoE(num_expert=2, d_model=8, d_hidden=8, fp32_combine=1)

@@ -58,7 +58,7 @@ def unpermute_backward(grad_TD, y_ND, weight_TK, token_N, slot_N):
     else:
         dots_N = (grad_ND.float() * y_ND.float()).sum(-1)
     grad_y = grad_ND.mul_(weight_N[:, None])                    # the gathered copy is ours to scale
-    grad_w = torch.zeros(weight_TK.numel(), dtype=torch.float32, device=grad_ND.device)
+    grad_w = torch.zeros(weight_TK.numel(), dtype=dots_N.dtype, device=grad_ND.device)
     grad_w.index_copy_(0, slot_N, dots_N)                       # slots are distinct: no sum
     return grad_y, grad_w.view(weight_TK.shape).to(weight_TK.dtype)
 
