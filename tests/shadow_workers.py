@@ -214,3 +214,33 @@ def check_megatron_shadowing_equals_off(rank, world):
         # Adam's step is about lr * sign(grad): gradients equal to 1e-7 may still move a parameter whose
         # gradient is near 0 a little differently, so parameters are held to 1% of the learning rate.
         torch.testing.assert_close(p1[n], p0[n], atol=1e-4, rtol=1e-5, msg=lambda m: f"rank {rank} param {n}: {m}")
+
+
+def check_pulled_copies_are_freed(rank, world):
+    """After each step's backward nothing of the pull stays alive: no pulled buffer, no link, and
+    (the regression) no leak of a layer's parameters once the layer is gone."""
+    import gc
+    import weakref
+
+    from fmoe.distributed import shadow
+    pulls = []
+    real_init = shadow.ShadowPull.__init__
+
+    def spying_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        pulls.append([weakref.ref(self.link)] + [weakref.ref(b) for b in self.link.buffers])
+    shadow.ShadowPull.__init__ = spying_init
+    try:
+        layer = build(world, 2, 1, [0], shadow=FixedShadow([0]))
+        param = weakref.ref(layer.experts.w1_eDF)
+        x = torch.randn(6, D, requires_grad=True)
+        for _ in range(3):
+            layer(x).sum().backward()
+        gc.collect()
+        assert len(pulls) == 3 and all(r() is None for refs in pulls for r in refs), \
+            [[r() is None for r in refs] for refs in pulls]
+        del layer
+        gc.collect()
+        assert param() is None, "the layer's parameters outlived it"
+    finally:
+        shadow.ShadowPull.__init__ = real_init

@@ -137,3 +137,7 @@ def test_a_policy_naming_an_unknown_expert_is_refused_by_name():
     for experts in ([4], [-1], [1, 1]):
         with pytest.raises(ValueError, match=r"Wrong.choose returned .* distinct expert ids in \[0, 4\)"):
             RoutingPlan.build(idx, 4, world_size=2, shadow_policy=Wrong(experts))
+
+
+def test_pulled_copies_are_freed_after_each_step():
+    run_ranks(shadow_workers.check_pulled_copies_are_freed, 2)

@@ -162,7 +162,11 @@ class _PullDone(torch.autograd.Function):
     def forward(ctx, link: _Link, token):
         ctx.link = link
         link.wait()
-        return tuple(link.buffers)
+        # The outputs become autograd outputs of this node, whose ctx holds the link: were the link
+        # still to hold them, link -> tensor -> node -> ctx -> link would be a cycle through C++
+        # that Python's gc cannot break, and every step would keep its layer's parameters alive.
+        buffers, link.buffers = tuple(link.buffers), []
+        return buffers
 
     @staticmethod
     def backward(ctx, *grads):
