@@ -308,12 +308,13 @@ class FMoE(nn.Module):
         x_sent, x_home = x_ND.split([x_ND.shape[0] - plan.num_shadow_rows, plan.num_shadow_rows])
         # The pull starts first, so it travels while the other rows are dispatched and computed.
         pull = None if plan.shadow is None else ShadowPull(self.experts, plan.shadow, self.num_expert,
-                                                           self.moe_group, self.shadow_policy.overlap)
+                                                           self.moe_group, self.shadow_policy.overlap,
+                                                           fold=not self.schedule)
         if self.schedule:
             y_sent = scheduled_experts(self.experts, x_sent, plan.exchange, self.schedule_group_size)
         else:
             x_RD = exchange.dispatch(x_sent, plan)
-            y_RD = self.expert_fn(x_RD, plan.local_counts_e)
+            y_RD = (pull.run_local if pull is not None else self.expert_fn)(x_RD, plan.local_counts_e)
             y_sent = exchange.combine(y_RD, plan)
         if pull is None:
             return y_sent

@@ -142,7 +142,7 @@ def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tok
     bandwidth, overhead = model.net_bandwidth, model.overhead_per_row
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     if distributed:
-        buf = torch.randn(size * 256)
+        buf = torch.randn(2 ** 20)      # 4 MiB: the size of a dispatch, past the latency-bound sizes
         out = torch.empty_like(buf)
         dist.all_to_all_single(out, buf, group=group)
         start = time.perf_counter()

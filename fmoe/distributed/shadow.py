@@ -122,6 +122,8 @@ class _Link:
         self.works: list = []
         self.grads: List[torch.Tensor] = []
         self.owned_sizes: List[int] = []        # numel of each tensor this rank owns, in buffer order
+        self.fold = False                       # the owner's pushed gradients go through _AddPushed
+        self.stacked: tuple = ()                # the owner's stacked parameters, with fold
 
     def wait(self):
         for w in self.works:
@@ -141,7 +143,7 @@ class _PushDone(torch.autograd.Function):
     def forward(ctx, link: _Link, *owned):
         ctx.link = link
         ctx.shapes = [t.shape for t in owned]
-        ctx.owns = bool(link.owned_sizes)
+        ctx.owns = bool(link.owned_sizes) and not link.fold
         return owned[0].new_empty(0)
 
     @staticmethod
@@ -153,6 +155,33 @@ class _PushDone(torch.autograd.Function):
         mine = link.grads[link.owners.index(dist.get_rank(link.group))]
         grads = [g.view(s) for g, s in zip(mine.split(link.owned_sizes), ctx.shapes)]
         return (None, *grads)
+
+
+class _AddPushed(torch.autograd.Function):
+    """Identity on the owner's stacked parameters, on their way into its own experts' forward; its
+    backward adds the pushed gradients of its shadowed experts into slices of the gradients the
+    experts' backward produced. (Returning them from _PushDone for slice views of the parameters
+    instead would make autograd zero-fill and add a whole [num_expert, ...] tensor per parameter.)"""
+
+    @staticmethod
+    def forward(ctx, link: _Link, owned_slots, *params):
+        ctx.link, ctx.owned_slots = link, owned_slots       # [(local expert, parameter index)], buffer order
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        link = ctx.link
+        link.wait()
+        me = dist.get_rank(link.group)
+        if me not in link.owners or not link.grads:
+            raise RuntimeError("shadow: the pushed gradients were not reduced before the owner's experts' backward")
+        grads = [g if g is None or not g.requires_grad else g.clone() for g in grads]
+        pieces = link.grads[link.owners.index(me)].split(link.owned_sizes)
+        for (local, index), piece in zip(ctx.owned_slots, pieces):
+            if grads[index] is None:
+                grads[index] = torch.zeros_like(link.stacked[index])
+            grads[index][local].add_(piece.view(grads[index][local].shape))
+        return (None, None, *grads)
 
 
 class _PullDone(torch.autograd.Function):
@@ -182,8 +211,13 @@ class _PullDone(torch.autograd.Function):
 class ShadowPull:
     """The shadowed experts' parameters, pulled from their owners; differentiable back to them."""
 
-    def __init__(self, experts: nn.Module, plan: ShadowPlan, num_expert: int, group=None, overlap: bool = True):
+    def __init__(self, experts: nn.Module, plan: ShadowPlan, num_expert: int, group=None, overlap: bool = True,
+                 fold: bool = False):
+        """`fold`: the caller runs this rank's own experts through `run_local`, so an owner of stacked
+        experts receives its pushed gradients inside those experts' gradients (see _AddPushed)."""
         self.experts, self.plan, self.num_expert = experts, plan, num_expert
+        self.fold = fold and not is_module_list(experts, num_expert)
+        self.owned_slots = []
         self.locals_S = [e % num_expert for e in plan.experts_S]
         owner_S = [e // num_expert for e in plan.experts_S]
         me = dist.get_rank(group)
@@ -198,6 +232,7 @@ class ShadowPull:
             if owner == me:
                 owned = [v for _, t in mine for v in t.values()]
                 link.owned_sizes = [v.numel() for v in owned]
+                self.owned_slots = [(self.locals_S[slot], index) for slot, t in mine for index in range(len(t))]
                 with torch.no_grad():
                     buf = torch.cat([v.reshape(-1) for v in owned])
             else:
@@ -209,8 +244,20 @@ class ShadowPull:
                       for b, o in zip(link.buffers, link.owners)]
         if not overlap:
             link.wait()
-        # Non-owners pass one of their own parameters so the node (and so the push) is recorded everywhere.
-        self.token = _PushDone.apply(link, *(owned or [next(experts.parameters())]))
+        link.fold = self.fold
+        # Non-owners (and folding owners) pass one of their own parameters so the node (and so the
+        # wait for the push) is recorded everywhere.
+        pushed_here = [] if self.fold else owned
+        self.token = _PushDone.apply(link, *(pushed_here or [next(experts.parameters())]))
+
+    def run_local(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+        """This rank's own experts on the rows sent to them (with `fold`, through _AddPushed)."""
+        if not (self.fold and self.owned_slots):
+            return self.experts(x_RD, counts_e)
+        names, params = zip(*self.experts.named_parameters())
+        self.link.stacked = params
+        passed = _AddPushed.apply(self.link, self.owned_slots, *params)
+        return functional_call(self.experts, dict(zip(names, passed)), (x_RD, counts_e))
 
     def forward(self, x_SD: torch.Tensor) -> torch.Tensor:
         """This rank's rows for the shadowed experts, computed at home with the pulled parameters."""
