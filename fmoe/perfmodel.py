@@ -167,22 +167,11 @@ def _overhead_per_row(model: PerfModel, group, tokens: int, reps: int) -> float:
     import torch.distributed as dist
 
     import fmoe
-    from fmoe.gates.base import BaseGate, LinearRouter
-
-    class RoundRobin(BaseGate):
-        def __init__(self, d_model, num_expert, world_size=1, top_k=1, **_):
-            super().__init__(d_model, num_expert, world_size, 1)
-            self.gate = LinearRouter(d_model, self.tot_expert)
-
-        def route(self, x_TD):
-            idx_TK = (torch.arange(x_TD.shape[0], device=x_TD.device) % self.tot_expert)[:, None]
-            logits_TE = self.gate(x_TD)
-            weight_TK = torch.sigmoid(logits_TE.gather(1, idx_TK).float())
-            return idx_TK, weight_TK, weight_TK, logits_TE, logits_TE.new_zeros(())
+    from fmoe.gates.round_robin import RoundRobinGate
 
     world = dist.get_world_size(group)
     layer = fmoe.FMoETransformerMLP(num_expert=1, d_model=model.d_model, d_hidden=1, top_k=1, world_size=world,
-                                    moe_group=group, gate=RoundRobin)
+                                    moe_group=group, gate=RoundRobinGate)
     x = torch.randn(tokens, model.d_model, requires_grad=True)
 
     def layer_step():

@@ -123,7 +123,6 @@ class _Link:
         self.grads: List[torch.Tensor] = []
         self.owned_sizes: List[int] = []        # numel of each tensor this rank owns, in buffer order
         self.fold = False                       # the owner's pushed gradients go through _AddPushed
-        self.stacked: tuple = ()                # the owner's stacked parameters, with fold
 
     def wait(self):
         for w in self.works:
@@ -166,6 +165,7 @@ class _AddPushed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, link: _Link, owned_slots, *params):
         ctx.link, ctx.owned_slots = link, owned_slots       # [(local expert, parameter index)], buffer order
+        ctx.like = [(p.shape, p.dtype, p.device) for p in params]
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
@@ -179,7 +179,8 @@ class _AddPushed(torch.autograd.Function):
         pieces = link.grads[link.owners.index(me)].split(link.owned_sizes)
         for (local, index), piece in zip(ctx.owned_slots, pieces):
             if grads[index] is None:
-                grads[index] = torch.zeros_like(link.stacked[index])
+                shape, dtype, device = ctx.like[index]
+                grads[index] = torch.zeros(shape, dtype=dtype, device=device)
             grads[index][local].add_(piece.view(grads[index][local].shape))
         return (None, None, *grads)
 
@@ -255,7 +256,6 @@ class ShadowPull:
         if not (self.fold and self.owned_slots):
             return self.experts(x_RD, counts_e)
         names, params = zip(*self.experts.named_parameters())
-        self.link.stacked = params
         passed = _AddPushed.apply(self.link, self.owned_slots, *params)
         return functional_call(self.experts, dict(zip(names, passed)), (x_RD, counts_e))
 

@@ -153,7 +153,6 @@ def expert_row_sums(dy_NO, counts_e, dtype, sync_free=False):
 # "gelu", "relu", "swiglu" (SiLU of the gate half times the up half, gate first), and gated specs
 # "glu:<act>:<layout>" (act one of GLU_ACTS, layout "split" or "interleaved") and
 # "clamped_swiglu:<alpha>:<limit>:<layout>" (gpt-oss). fmoe.experts.fused_activation_spec names them.
-FUSED_MLP_ACTIVATIONS = ("gelu", "relu", "swiglu")
 GLU_ACTS = ("silu", "gelu", "gelu_tanh", "relu")
 
 
@@ -203,14 +202,7 @@ def _plain_act_backward(grad, h, act):
 
 def _activation(h, spec):
     """The activation of one expert's hidden rows h (width F, or 2F when gated)."""
-    kind, act, layout, alpha, limit = parse_activation(spec)
-    if kind in ("gelu", "relu"):
-        return _plain_act(h, act)
-    gate, up = _halves(h, layout)
-    if kind == "glu":
-        return _plain_act(gate, act).mul_(up)
-    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return (up + 1).mul_(gate * torch.sigmoid(gate * alpha))
+    return _activation_vjp(h, spec)[0]
 
 
 def _activation_vjp(h, spec):
