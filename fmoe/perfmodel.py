@@ -8,11 +8,14 @@ network bandwidth per worker (bytes/s), a worker that processes B rows spends
 
 with s the bytes per element. The layer takes as long as its slowest worker. Shadowing r
 experts moves their rows home (loads B -> B') and costs a broadcast of their parameters and a
-reduction of their gradients: 2 * r * 2 * alpha * H^2 * s / W_net.
+reduction of their gradients: r * 2 * alpha * H^2 * s * (1 / W_pull + 1 / W_push), which is
+FasterMoE's 2 * r * 2 * alpha * H^2 * s / W_net while the two bandwidths are left at W_net.
 
-Besides, every worker spends a fixed time per routed row of its own tokens (the gate, the
-permutes, the exchange's bookkeeping): `overhead_per_row`, 0 unless calibrated. It is the same
-on every worker and does not change the policy, but it is there in a measured step.
+Two fixed costs, 0 unless calibrated, complete a measured step: each worker spends
+`overhead_per_row` per routed row of its own tokens (the gate, the permutes, the exchange's
+bookkeeping), and `time_per_expert` per expert it runs, its own and the shadowed ones alike (the
+expert's fresh gradient and the part of its GEMMs that does not scale with rows: the intercept
+of an expert's step time against its rows).
 
 The smart schedule splits the exchange into `steps` chunks and pipelines the three stages of
 each pass (rows out, compute, rows back; forward, then backward with twice the compute): a
@@ -20,7 +23,7 @@ pipeline of stages a, b, c over n chunks takes (a + b + c) / n + (n - 1) * max(a
 """
 import time
 from dataclasses import dataclass, replace
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -35,6 +38,9 @@ class PerfModel:
     net_bandwidth: float = 50e9 / 8  # W_net: bytes/s per worker
     bytes_per_element: int = 4
     overhead_per_row: float = 0.0   # seconds per routed row of a worker's own tokens, fwd + bwd
+    time_per_expert: float = 0.0    # seconds per expert a worker runs, fwd + bwd, whatever its rows
+    pull_bandwidth: Optional[float] = None   # bytes/s of a shadowed expert's broadcast (None: W_net)
+    push_bandwidth: Optional[float] = None   # bytes/s of its gradients' reduction (None: W_net)
 
     @property
     def alpha(self) -> float:
@@ -53,9 +59,16 @@ class PerfModel:
     def traffic_time(self, rows) -> float:
         return 4 * rows * self.d_model * self.bytes_per_element / self.net_bandwidth
 
+    @property
+    def expert_bytes(self) -> float:
+        """One expert's parameters: two d_model x d_hidden matrices."""
+        return 2 * self.alpha * self.d_model ** 2 * self.bytes_per_element
+
     def shadow_cost(self, num_shadowed: int) -> float:
         """Broadcast of the parameters and reduction of the gradients of the shadowed experts."""
-        return 2 * num_shadowed * 2 * self.alpha * self.d_model ** 2 * self.bytes_per_element / self.net_bandwidth
+        pull = self.pull_bandwidth or self.net_bandwidth
+        push = self.push_bandwidth or self.net_bandwidth
+        return num_shadowed * self.expert_bytes * (1 / pull + 1 / push)
 
     def worker_time(self, rows: float, schedule_steps: int = 1) -> float:
         """One worker's compute and traffic; pipelined over `schedule_steps` chunks (1: in turn)."""
@@ -85,8 +98,12 @@ class PerfModel:
 
     def layer_time(self, counts_WE: torch.Tensor, shadowed: Sequence[int] = (), schedule_steps: int = 1) -> float:
         """Modelled time of the layer: Lat_imbl with no shadowed experts, Lat_shadow(r) otherwise."""
+        W, E = counts_WE.shape
         rows_W = self.worker_rows(counts_WE, shadowed)
-        slowest = max(self.worker_time(float(b), schedule_steps) for b in rows_W)
+        owner_S = [e // (E // W) for e in shadowed]
+        experts_W = [E // W + sum(o != w for o in owner_S) for w in range(W)]
+        slowest = max(self.worker_time(float(b), schedule_steps) + self.time_per_expert * n
+                      for b, n in zip(rows_W, experts_W))
         own_rows = float(counts_WE.sum(1).max())
         return slowest + self.shadow_cost(len(shadowed)) + self.overhead_per_row * own_rows
 
@@ -102,7 +119,7 @@ class PerfModel:
         home_RE = torch.zeros_like(prefix_RE).scatter(1, order_E.expand(E + 1, E), prefix_RE)
         rows_R = self._rows(counts_WE, home_RE).max(1).values
         r_R = torch.arange(E + 1, device=counts_WE.device, dtype=torch.double)
-        time_R = rows_R * self.worker_time(1.0, schedule_steps) + r_R * self.shadow_cost(1)
+        time_R = rows_R * self.worker_time(1.0, schedule_steps) + r_R * (self.shadow_cost(1) + self.time_per_expert)
         falls_R = time_R[1:] < time_R[:-1]
         num_shadowed = torch.cumprod(falls_R.long(), 0).sum()
         return order_E[:num_shadowed].tolist()
@@ -123,42 +140,66 @@ def _median_time(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tokens: int = 0) -> PerfModel:
-    """Measure this machine's constants for `model`'s shapes: the FLOP/s of one expert's MLP
-    (forward and backward over `size` rows, fmoe's own kernels), and, when distributed, the
-    all-to-all bytes/s and, with `tokens` > 0, the fixed time per routed row (a layer step over
-    `tokens` tokens with experts of width 1, less its modelled compute and traffic)."""
+def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tokens: int = 0,
+              num_expert: int = 1) -> PerfModel:
+    """Measure this machine's constants for `model`'s shapes: the MLP step (forward and backward,
+    fmoe's own kernels, from no gradients) of `num_expert` experts (a rank's own, so the working
+    set is the layer's) over `size` and `size // 4` rows shared evenly, whose slope gives the
+    FLOP/s and whose intercept, per expert, the time per expert; when distributed, the all-to-all
+    bytes/s, the broadcast and reduction bytes/s of one expert's parameters (the shadowing pull
+    and push), and, with `tokens` > 0, the fixed time per routed row (a layer step over `tokens`
+    tokens with experts of width 1, less its modelled compute and traffic)."""
     import torch.distributed as dist
 
     from fmoe.experts import GroupedExperts
-    experts = GroupedExperts(1, model.d_model, model.d_hidden, "gelu", bias=True)
-    x = torch.randn(size, model.d_model, requires_grad=True)
-    counts = torch.tensor([size])
+    experts = GroupedExperts(num_expert, model.d_model, model.d_hidden, "gelu", bias=True)
 
-    def expert_step():
-        experts.zero_grad(set_to_none=True)
-        experts(x, counts).sum().backward()
-    flops = 3 * 4 * size * model.alpha * model.d_model ** 2 / _median_time(expert_step, reps)
+    def expert_seconds(rows: int) -> float:
+        counts = torch.full((num_expert,), rows // num_expert)
+        counts[: rows % num_expert] += 1
+        x = torch.randn(rows, model.d_model, requires_grad=True)
+
+        def expert_step():
+            experts.zero_grad(set_to_none=True)
+            experts(x, counts).sum().backward()
+        return _median_time(expert_step, reps)
+    small, large = max(num_expert, size // 4), max(num_expert + 1, size)
+    t_small, t_large = expert_seconds(small), expert_seconds(large)
+    per_row = max(t_large - t_small, 1e-3 * t_large) / (large - small)
+    flops = 3 * 4 * model.alpha * model.d_model ** 2 / per_row
+    per_expert = max(0.0, t_large - per_row * large) / num_expert
     bandwidth, overhead = model.net_bandwidth, model.overhead_per_row
+    pull, push = model.pull_bandwidth, model.push_bandwidth
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     if distributed:
+        src = _global_rank(group, 0)
         buf = torch.randn(2 ** 20)      # 4 MiB: the size of a dispatch, past the latency-bound sizes
         out = torch.empty_like(buf)
-        dist.all_to_all_single(out, buf, group=group)
-        start = time.perf_counter()
-        for _ in range(reps):
-            dist.all_to_all_single(out, buf, group=group)
-        bandwidth = buf.numel() * buf.element_size() * reps / (time.perf_counter() - start)
-    measured = replace(model, flops=flops, net_bandwidth=bandwidth)
+        bandwidth = buf.numel() * buf.element_size() / _median_time(
+            lambda: dist.all_to_all_single(out, buf, group=group), reps)
+        params = torch.randn(int(model.expert_bytes // 4))  # one expert, as shadowing sends it
+        pull = model.expert_bytes / _median_time(lambda: (dist.barrier(group=group),
+                                                          dist.broadcast(params, src=src, group=group)), reps)
+        push = model.expert_bytes / _median_time(lambda: (dist.barrier(group=group),
+                                                          dist.reduce(params, dst=src, group=group)), reps)
+    measured = replace(model, flops=flops, net_bandwidth=bandwidth, time_per_expert=per_expert,
+                       pull_bandwidth=pull, push_bandwidth=push)
     if distributed and tokens > 0:
         overhead = _overhead_per_row(measured, group, tokens, reps)
-    if distributed:
-        both = torch.tensor([flops, bandwidth, overhead], dtype=torch.double)
-        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)   # everyone must use the same model
-        flops, bandwidth, _ = both.tolist()
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        overhead = both[2].item()
-    return replace(model, flops=flops, net_bandwidth=bandwidth, overhead_per_row=overhead)
+    if distributed:                     # everyone must use the same model: the slowest rank's
+        rates = torch.tensor([flops, bandwidth, pull, push], dtype=torch.double)
+        dist.all_reduce(rates, op=dist.ReduceOp.MIN, group=group)
+        costs = torch.tensor([overhead, per_expert], dtype=torch.double)
+        dist.all_reduce(costs, op=dist.ReduceOp.MAX, group=group)
+        flops, bandwidth, pull, push = rates.tolist()
+        overhead, per_expert = costs.tolist()
+    return replace(model, flops=flops, net_bandwidth=bandwidth, overhead_per_row=overhead,
+                   time_per_expert=per_expert, pull_bandwidth=pull, push_bandwidth=push)
+
+
+def _global_rank(group, rank: int) -> int:
+    import torch.distributed as dist
+    return dist.get_global_rank(group, rank) if group is not None else rank
 
 
 def _overhead_per_row(model: PerfModel, group, tokens: int, reps: int) -> float:
@@ -179,5 +220,5 @@ def _overhead_per_row(model: PerfModel, group, tokens: int, reps: int) -> float:
         layer(x).sum().backward()
     seconds = _median_time(layer_step, reps)
     counts_WE = torch.full((world, world), tokens / world, dtype=torch.double)
-    tiny = replace(model, d_hidden=1)
+    tiny = replace(model, d_hidden=1, time_per_expert=0.0)
     return max(0.0, seconds - tiny.layer_time(counts_WE)) / tokens

@@ -4,12 +4,14 @@ For each number of GPUs and each distribution of tokens over experts, the modell
 one MoE layer with plain expert parallelism, with shadowing, with the smart schedule, and with
 both; printed as a table, written as JSON and plotted.
 
-`--calibrate` measures this machine's constants first (an expert MLP's FLOP/s and all-to-all
-bytes/s over 2 gloo ranks, one thread each, as bench_shadow runs). `--compare FILE` predicts the
-step times a `benchmarks/bench_shadow.py --out FILE` run measured (every case, shadowing off,
-dynamic and forced, from its measured per-rank counts) and writes their R^2 and a
-predicted-vs-measured plot; with `--calibrate` the constants (and the fixed time per routed row)
-are measured here at that run's shapes, without it the ones the run measured are used. `--paper` sets FasterMoE's published clusters beside its published speedups.
+`--calibrate` measures this machine's constants first (an expert MLP's FLOP/s and fixed time,
+the all-to-all, broadcast and reduction bytes/s over 2 gloo ranks, one thread each, as
+bench_shadow runs). `--compare FILE` predicts the step times a `benchmarks/bench_shadow.py --out
+FILE` run measured (every case, shadowing off, dynamic and forced, from its measured per-rank
+counts) and writes their R^2 and a predicted-vs-measured plot; with `--calibrate` the constants
+(and the fixed time per routed row) are measured here at that run's shapes, without it the ones
+the run measured are used. `--paper` sets FasterMoE's published clusters beside its published
+speedups.
 """
 import argparse
 import json
@@ -93,26 +95,43 @@ def plot(rows: List[dict], distributions: List[str], path: Path):
     plt.close(fig)
 
 
-def _calibrate_rank(rank, world, store, d_model, d_hidden, tokens, queue):
+# The constants a calibration measures, as bench_shadow's JSON and compare.json name them.
+CONSTANTS = ("flops", "net_bandwidth", "overhead_per_row", "time_per_expert", "pull_bandwidth", "push_bandwidth")
+
+
+def constants_of(model: PerfModel) -> dict:
+    return {name: getattr(model, name) for name in CONSTANTS}
+
+
+def describe(c: dict) -> str:
+    def gbs(v):
+        return "W_net" if v is None else f"{v / 1e9:.2f} GB/s"
+    return (f"{c['flops'] / 1e9:.1f} GFLOP/s, all-to-all {c['net_bandwidth'] / 1e9:.3f} GB/s, "
+            f"{c.get('overhead_per_row', 0.0) * 1e6:.2f} us per row, {c.get('time_per_expert', 0.0) * 1e3:.1f} ms per "
+            f"expert, pull {gbs(c.get('pull_bandwidth'))}, push {gbs(c.get('push_bandwidth'))}")
+
+
+def _calibrate_rank(rank, world, store, d_model, d_hidden, tokens, num_expert, queue):
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    model = calibrate(PerfModel(d_model, d_hidden), size=512, tokens=tokens)
+    model = calibrate(PerfModel(d_model, d_hidden), size=tokens or 512, tokens=tokens, num_expert=num_expert)
     if rank == 0:
-        queue.put((model.flops, model.net_bandwidth, model.overhead_per_row))
+        queue.put(constants_of(model))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def calibrate_here(d_model: int, d_hidden: int, tokens: int = 0) -> tuple:
-    """(FLOP/s, bytes/s, seconds per routed row) measured on 2 gloo ranks of this machine, one
-    thread each, for these shapes (the per-row overhead only with `tokens` > 0, else 0)."""
+def calibrate_here(d_model: int, d_hidden: int, tokens: int = 0, num_expert: int = 1) -> dict:
+    """The model's constants (CONSTANTS) measured on 2 gloo ranks of this machine, one thread
+    each, for these shapes and `num_expert` experts per rank (the per-row overhead only with
+    `tokens` > 0, else 0)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fmoe-calibrate-") as folder:
         procs = [ctx.Process(target=_calibrate_rank, args=(r, 2, os.path.join(folder, "store"), d_model, d_hidden,
-                                                           tokens, queue)) for r in range(2)]
+                                                           tokens, num_expert, queue)) for r in range(2)]
         for proc in procs:
             proc.start()
         result = queue.get()
@@ -126,12 +145,12 @@ def r_squared(measured: List[float], predicted: List[float]) -> float:
     return float(1 - ((m - p) ** 2).sum() / ((m - m.mean()) ** 2).sum())
 
 
-def compare(bench_json: Path, flops: float, net_bw: float, out: Path, overhead_per_row: float = 0.0) -> dict:
-    """Predicted against measured step times of a bench_shadow run; R^2, JSON and plot."""
+def compare(bench_json: Path, constants: dict, out: Path) -> dict:
+    """Predicted against measured step times of a bench_shadow run; R^2, JSON and plot.
+    `constants`: the model's measured constants (CONSTANTS; missing ones keep their defaults)."""
     data = json.loads(Path(bench_json).read_text())
     cfg = data["config"]
-    model = PerfModel(cfg["d_model"], cfg["d_hidden"], flops=flops, net_bandwidth=net_bw,
-                      overhead_per_row=overhead_per_row)
+    model = PerfModel(cfg["d_model"], cfg["d_hidden"], **{k: v for k, v in constants.items() if k in CONSTANTS})
     points = []
     for case, r in data["results"].items():
         counts_WE = torch.tensor(r["counts_WE"], dtype=torch.double)
@@ -140,15 +159,13 @@ def compare(bench_json: Path, flops: float, net_bw: float, out: Path, overhead_p
             points.append({"case": case, "variant": variant, "measured_s": r[f"{variant}_s"],
                            "predicted_s": model.layer_time(counts_WE, shadowed)})
     r2 = r_squared([p["measured_s"] for p in points], [p["predicted_s"] for p in points])
-    print(f"predicted vs measured ({bench_json}; {flops / 1e9:.1f} GFLOP/s, {net_bw / 1e9:.3f} GB/s, "
-          f"{overhead_per_row * 1e6:.2f} us per row):")
+    print(f"predicted vs measured ({bench_json}; {describe(constants_of(model))}):")
     for p in points:
         print(f"  {p['case']:22s}{p['variant']:>8s}{p['measured_s'] * 1e3:10.1f} ms measured"
               f"{p['predicted_s'] * 1e3:10.1f} ms predicted")
     print(f"R^2 = {r2:.3f} over {len(points)} points")
     out.mkdir(parents=True, exist_ok=True)
-    result = {"bench": str(bench_json), "flops": flops, "net_bandwidth": net_bw, "overhead_per_row": overhead_per_row,
-              "r_squared": r2, "points": points}
+    result = {"bench": str(bench_json), **constants_of(model), "r_squared": r2, "points": points}
     write_json(out / "compare.json", result, indent=2)
     import matplotlib
     matplotlib.use("Agg")
@@ -223,16 +240,15 @@ def run(args) -> List[dict]:
         bench = json.loads(Path(args.compare).read_text())
         if args.calibrate:          # this machine's constants at the bench run's shapes
             cfg = bench["config"]
-            flops, net_bw, overhead = calibrate_here(cfg["d_model"], cfg["d_hidden"], cfg["tokens"])
+            constants = calibrate_here(cfg["d_model"], cfg["d_hidden"], cfg["tokens"], cfg.get("num_expert", 2) // 2)
             print(f"calibrated here at the bench's shapes (d_model {cfg['d_model']}, d_hidden {cfg['d_hidden']}, "
-                  f"{cfg['tokens']} tokens): {flops / 1e9:.1f} GFLOP/s, {net_bw / 1e9:.3f} GB/s, "
-                  f"{overhead * 1e6:.2f} us per row")
+                  f"{cfg['tokens']} tokens): {describe(constants)}")
         else:                       # the constants the bench run measured for itself
-            m = bench["model"]
-            flops, net_bw, overhead = m["flops"], m["net_bandwidth"], m.get("overhead_per_row", 0.0)
-        compare(Path(args.compare), flops, net_bw, Path(args.out), overhead)
+            constants = bench["model"]
+        compare(Path(args.compare), constants, Path(args.out))
     elif args.calibrate:
-        args.flops, args.net_bw, _ = calibrate_here(args.d_model, args.d_hidden)
+        constants = calibrate_here(args.d_model, args.d_hidden)
+        args.flops, args.net_bw = constants["flops"], constants["net_bandwidth"]
         print(f"calibrated here: {args.flops / 1e9:.1f} GFLOP/s, {args.net_bw / 1e9:.3f} GB/s")
     model = PerfModel(args.d_model, args.d_hidden, flops=args.flops, net_bandwidth=args.net_bw,
                       bytes_per_element=args.bytes_per_element)

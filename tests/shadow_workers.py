@@ -244,3 +244,18 @@ def check_pulled_copies_are_freed(rank, world):
         assert param() is None, "the layer's parameters outlived it"
     finally:
         shadow.ShadowPull.__init__ = real_init
+
+
+def check_calibration_measures_every_constant_alike_on_all_ranks(rank, world):
+    """calibrate() on real ranks: every constant measured, finite, and the same on every rank."""
+    import math
+
+    from fmoe.perfmodel import calibrate
+    from fmoe.simulate import CONSTANTS
+    model = calibrate(PerfModel(64, 256), size=256, reps=3, tokens=128)
+    values = [getattr(model, name) for name in CONSTANTS]
+    assert all(v is not None and math.isfinite(v) and v >= 0 for v in values), dict(zip(CONSTANTS, values))
+    assert model.flops > 0 and model.net_bandwidth > 0 and model.pull_bandwidth > 0 and model.push_bandwidth > 0
+    everyone = [None] * world
+    dist.all_gather_object(everyone, values)
+    assert all(v == everyone[0] for v in everyone), everyone

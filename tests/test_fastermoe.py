@@ -19,6 +19,23 @@ def test_model_times_match_hand_computation():
     assert m.layer_time(counts, [0]) == pytest.approx(8 * per_row + 2 * 1 * 2 * 2 * 16 / 10)
 
 
+def test_fixed_costs_and_separate_pull_push_bandwidths_by_hand():
+    m = PerfModel(d_model=4, d_hidden=8, flops=100.0, net_bandwidth=10.0, bytes_per_element=1,
+                  time_per_expert=0.5, pull_bandwidth=20.0, push_bandwidth=5.0, overhead_per_row=0.01)
+    counts = torch.tensor([[3, 1, 0, 0], [5, 0, 1, 2]])
+    per_row = 3 * 4 * 2 * 16 / 100 + 4 * 4 / 10
+    own_rows = 8                                              # w1 routes 8 rows, w0 4
+    # Off: w0 runs its 2 experts over 9 rows.
+    assert m.layer_time(counts) == pytest.approx(9 * per_row + 2 * 0.5 + 0.01 * own_rows)
+    # Expert 0 shadowed: w1 runs 3 experts (its 2 and the pulled one) over 8 rows; one expert's
+    # 2 * 2 * 16 bytes go out at 20 B/s and come back at 5 B/s.
+    assert m.layer_time(counts, [0]) == pytest.approx(8 * per_row + 3 * 0.5 + 64 / 20 + 64 / 5 + 0.01 * own_rows)
+
+
+def test_calibration_on_two_ranks_measures_every_constant():
+    run_ranks(shadow_workers.check_calibration_measures_every_constant_alike_on_all_ranks, 2)
+
+
 def test_policy_uniform_shadows_nothing_and_hot_expert_is_shadowed():
     m = PerfModel(d_model=1024, d_hidden=4096, flops=1e12, net_bandwidth=10e9)
     uniform = torch.full((4, 8), 500)

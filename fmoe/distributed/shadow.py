@@ -106,7 +106,10 @@ def run_with(experts: nn.Module, num_expert: int, x_SD: torch.Tensor, counts_S: 
         outs = [functional_call(modules[i], tensors, (chunk,))
                 for i, tensors, chunk in zip(locals_S, tensors_S, chunks)]
         return torch.cat(outs)
-    stacked = {n: torch.stack([t[n] for t in tensors_S]) for n in tensors_S[0]}
+    if len(tensors_S) == 1:     # one shadowed expert (the usual case): views of the pulled buffer, no copy
+        stacked = {n: t.unsqueeze(0) for n, t in tensors_S[0].items()}
+    else:
+        stacked = {n: torch.stack([t[n] for t in tensors_S]) for n in tensors_S[0]}
     return functional_call(experts, stacked, (x_SD, counts_S))
 
 
