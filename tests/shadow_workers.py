@@ -88,7 +88,8 @@ def compare_variants(rank, world, top_k, hot, make_variant, make_plain=build, ex
 
 def check_shadowing_equals_plain(rank, world):
     E = 2 * world
-    for top_k, hot in ((1, [0]), (2, [0, E - 1]), (2, [1, E - 2])):
+    # Two owners; and two experts of one owner, out of order (the stacked views of one buffer).
+    for top_k, hot in ((1, [0]), (2, [0, E - 1]), (2, [1, E - 2]), (2, [1, 0])):
         layer = compare_variants(rank, world, top_k, hot,
                                  lambda w, e, k, h: build(w, e, k, h, shadow=FixedShadow(h)))
         assert layer.num_dropped == 0
@@ -138,7 +139,8 @@ def check_any_expert_shadowing_equals_plain(rank, world):
     E = 2 * world
     for top_k, hot, kw in ((1, [0], {"expert": TinyExpert}), (2, [1, E - 1], {"activation": "swiglu"}),
                            (2, [1, E - 1], {"expert": TinyExpert, "schedule": True, "schedule_group_size": 1}),
-                           (1, [0], {"activation": "swiglu", "schedule": True, "schedule_group_size": 2})):
+                           (1, [0], {"activation": "swiglu", "schedule": True, "schedule_group_size": 2}),
+                           (2, [1, 0], {"expert": TinyExpert}), (2, [1, 0], {"activation": "swiglu"})):
         compare_variants(rank, world, top_k, hot,
                          lambda w, e, k, h: build(w, e, k, h, shadow=FixedShadow(h), **kw),
                          lambda w, e, k, h: build(w, e, k, h, shadow=False, **kw))

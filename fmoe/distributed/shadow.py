@@ -16,6 +16,7 @@ Any expert module shadows: a module list (`ModuleListExperts`: expert i is `expe
 or stacked experts (every parameter [num_expert, ...], expert i its slice i, e.g. GroupedExperts
 with any activation). A remote expert with local index i has the shapes of this rank's expert i.
 """
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -98,17 +99,17 @@ def expert_tensors(experts: nn.Module, num_expert: int, local: int) -> Dict[str,
 
 
 def run_with(experts: nn.Module, num_expert: int, x_SD: torch.Tensor, counts_S: torch.Tensor,
-             locals_S: List[int], tensors_S: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
-    """The experts' forward on rows grouped by shadowed expert, with the given (pulled) tensors."""
+             locals_S: List[int], tensors_S: List[Dict[str, torch.Tensor]],
+             stacked: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+    """The experts' forward on rows grouped by shadowed expert, with the given (pulled) tensors;
+    stacked experts may be handed their [S, ...] parameters ready made (`stacked`)."""
     if is_module_list(experts, num_expert):
         chunks = torch.split(x_SD, counts_S.tolist())
         modules = expert_modules(experts, num_expert)
         outs = [functional_call(modules[i], tensors, (chunk,))
                 for i, tensors, chunk in zip(locals_S, tensors_S, chunks)]
         return torch.cat(outs)
-    if len(tensors_S) == 1:     # one shadowed expert (the usual case): views of the pulled buffer, no copy
-        stacked = {n: t.unsqueeze(0) for n, t in tensors_S[0].items()}
-    else:
+    if stacked is None:
         stacked = {n: torch.stack([t[n] for t in tensors_S]) for n in tensors_S[0]}
     return functional_call(experts, stacked, (x_SD, counts_S))
 
@@ -204,7 +205,9 @@ class _PullDone(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         link = ctx.link
-        link.grads = [g.contiguous().clone() for g in grads]
+        # Each gradient is the fresh one the split of its buffer made (a cat), used by no one
+        # else: the reduction may work in it in place.
+        link.grads = [g.contiguous() for g in grads]
         link.works = [dist.reduce(g, dst=_global(link.group, o), group=link.group, async_op=True)
                       for g, o in zip(link.grads, link.owners)]
         if not link.overlap:
@@ -229,20 +232,24 @@ class ShadowPull:
         link.owners = sorted(set(owner_S))
         templates = [expert_tensors(experts, num_expert, i) for i in self.locals_S]
         self.names = list(templates[0]) if templates else []
+        self.slots = [[s for s, o in enumerate(owner_S) if o == owner] for owner in link.owners]
+        # An owner's buffer holds its shadowed experts' tensors in `layout` order. Stacked experts
+        # go name by name (all slots' w1, then all slots' b1, ...), so each stacked [S, ...]
+        # parameter the shadowed rows need is one view of the buffer; module lists slot by slot.
+        self.layouts = [self._layout(slots) for slots in self.slots]
+        param_index = {n: i for i, n in enumerate(self.names)}
         owned = []
-        for owner in link.owners:
-            mine = [(s, t) for s, (o, t) in enumerate(zip(owner_S, templates)) if o == owner]
-            size = sum(v.numel() for _, t in mine for v in t.values())
+        for owner, layout in zip(link.owners, self.layouts):
+            size = sum(templates[s][n].numel() for s, n in layout)
             if owner == me:
-                owned = [v for _, t in mine for v in t.values()]
+                owned = [templates[s][n] for s, n in layout]
                 link.owned_sizes = [v.numel() for v in owned]
-                self.owned_slots = [(self.locals_S[slot], index) for slot, t in mine for index in range(len(t))]
+                self.owned_slots = [(self.locals_S[s], param_index[n]) for s, n in layout]
                 with torch.no_grad():
                     buf = torch.cat([v.reshape(-1) for v in owned])
             else:
                 buf = templates[0][self.names[0]].new_empty(size)
             link.buffers.append(buf)
-        self.slots = [[s for s, o in enumerate(owner_S) if o == owner] for owner in link.owners]
         self.templates = templates
         link.works = [dist.broadcast(b, src=_global(group, o), group=group, async_op=True)
                       for b, o in zip(link.buffers, link.owners)]
@@ -262,14 +269,26 @@ class ShadowPull:
         passed = _AddPushed.apply(self.link, self.owned_slots, *params)
         return functional_call(self.experts, dict(zip(names, passed)), (x_RD, counts_e))
 
+    def _layout(self, slots: List[int]) -> List[tuple]:
+        if is_module_list(self.experts, self.num_expert):
+            return [(s, n) for s in slots for n in expert_tensors(self.experts, self.num_expert, self.locals_S[s])]
+        return [(s, n) for n in self.names for s in slots]
+
     def forward(self, x_SD: torch.Tensor) -> torch.Tensor:
         """This rank's rows for the shadowed experts, computed at home with the pulled parameters."""
         buffers = _PullDone.apply(self.link, self.token)
-        tensors_S: List[Optional[Dict[str, torch.Tensor]]] = [None] * len(self.locals_S)
-        for buf, slots in zip(buffers, self.slots):
-            pieces = iter(buf.split([v.numel() for s in slots for v in self.templates[s].values()]))
-            for s in slots:
-                tensors_S[s] = {n: next(pieces).view(v.shape) for n, v in self.templates[s].items()}
+        if len(buffers) == 1 and not is_module_list(self.experts, self.num_expert):
+            # One owner: its buffer holds every stacked parameter whole, name by name; no copy.
+            S = len(self.locals_S)
+            shapes = [self.templates[0][n].shape for n in self.names]
+            pieces = buffers[0].split([S * math.prod(shape) for shape in shapes])
+            stacked = {n: piece.view(S, *shape) for n, piece, shape in zip(self.names, pieces, shapes)}
+            return run_with(self.experts, self.num_expert, x_SD, self.plan.counts_S, self.locals_S, [], stacked)
+        tensors_S: List[Dict[str, torch.Tensor]] = [{} for _ in self.locals_S]
+        for buf, layout in zip(buffers, self.layouts):
+            pieces = buf.split([self.templates[s][n].numel() for s, n in layout])
+            for (s, n), piece in zip(layout, pieces):
+                tensors_S[s][n] = piece.view(self.templates[s][n].shape)
         return run_with(self.experts, self.num_expert, x_SD, self.plan.counts_S, self.locals_S, tensors_S)
 
 
