@@ -21,6 +21,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe.hf  # noqa: E402
+from fmoe import cpu_memory  # noqa: E402
 from common import machine, time_interleaved  # noqa: E402
 from fmoe.hf.families import find_moe_blocks  # noqa: E402
 from fmoe.files import write_json  # noqa: E402
@@ -71,10 +72,14 @@ def main(argv=None):
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--families", nargs="+", default=["mixtral", "qwen3_moe", "deepseek_v3"])
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="malloc keeps freed blocks (fmoe.cpu_memory), for all competitors alike")
     p.add_argument("--out", required=True, help="JSON file for the results")
     args = p.parse_args(argv)
+    if args.keep_freed_memory:
+        cpu_memory.keep_freed_memory()
     results = {"machine": machine(), "tokens": args.tokens, "d_model": args.d_model, "reps": args.reps,
-               "dtype": "float32", "blocks": {}}
+               "dtype": "float32", "keep_freed_memory": args.keep_freed_memory, "blocks": {}}
     for family in args.families:
         competitors = blocks(family, args.d_model)
         x = torch.randn(1, args.tokens, args.d_model, requires_grad=True)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe  # noqa: E402
+from fmoe import cpu_memory  # noqa: E402
 from common import machine, run_on_ranks  # noqa: E402
 from fmoe.distributed.shadow import ShadowPolicy  # noqa: E402
 from fmoe.gates.base import BaseGate, LinearRouter  # noqa: E402
@@ -119,6 +120,8 @@ def ideal_speedup(counts_WE: torch.Tensor, d_model: int, d_hidden: int) -> tuple
 
 
 def worker(rank, world, args):
+    if args.keep_freed_memory:
+        cpu_memory.keep_freed_memory()
     e = args.num_expert // world
     model = calibrate(PerfModel(args.d_model, args.d_hidden), size=args.tokens, tokens=args.tokens, num_expert=e)
     cases = dict(CASES, **{d: d for d in args.extra})
@@ -173,6 +176,8 @@ def main(argv=None):
     p.add_argument("--static-window", type=int, default=4, help="steps of load history per static re-plan")
     p.add_argument("--extra", nargs="*", default=[],
                    help="more distributions (hot:P, zipf:S), e.g. for `fmoe simulate --compare`")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="each rank's malloc keeps freed blocks (fmoe.cpu_memory): no page faults per fresh tensor")
     p.add_argument("--out", help="write the results as JSON here (e.g. benchmarks/results/shadow-cpu.json)")
     args = p.parse_args(argv)
     for d in args.extra:

@@ -52,6 +52,9 @@ def add_train_args(p: argparse.ArgumentParser):
     g.add_argument("--keep", type=int, default=run.keep, metavar="N",
                    help="checkpoints kept: the newest and N - 1 before it (default: %(default)s)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (the MoE layers trace whole)")
+    g.add_argument("--keep-freed-memory", action="store_true",
+                   help="CPU: glibc's malloc keeps freed blocks for the next step instead of mapping them afresh "
+                        "(fewer page faults; the process keeps its peak memory; see fmoe.cpu_memory)")
     g.add_argument("--hf-model", default=None, metavar="PATH",
                    help="fine-tune this local transformers MoE checkpoint (converted with fmoe.hf.convert) on the "
                         "byte corpus instead of the GPT, and export it to --out at the end (no checkpoints)")
@@ -178,6 +181,9 @@ def run_train(args):
         check_hf_args(args, vars(defaults.parse_args([])))
     if args.nproc != 1 and not launched_by_torchrun():
         return relaunch_with_torchrun(args.nproc)
+    if args.keep_freed_memory:          # each rank, before the model's first allocation
+        from fmoe import cpu_memory
+        cpu_memory.keep_freed_memory()
     if args.hf_model is not None:
         return run_hf_train(args)
 
