@@ -7,8 +7,11 @@ own experts implementations ("grouped_mm", its default, and "eager"), same weigh
 Block shapes (d_model 512 by default): Mixtral (8 experts, top-2, F 1024), Qwen3-MoE (64 experts,
 top-8, F 256) and DeepSeek-V3 (64 experts in 8 groups, top-8, F 256, one shared expert). The
 competitors take turns, one call each per round, so a drift of the machine's speed hits all
-alike; each figure is the median over the rounds. Prints milliseconds and fmoe's speed-up over
-each; writes the JSON to --out.
+alike; each figure is the median over the rounds. Beside them, in the same rounds, a step of the
+block's GEMMs alone (each expert's six at its routed rows, the router's, the shared expert's, into
+buffers allocated beforehand): the floor of any implementation whose GEMMs are torch's, so HF's
+time over it is the largest speed-up such an implementation can have here. Prints milliseconds, fmoe's speed-up over each and those bounds;
+writes the JSON to --out.
 """
 import argparse
 import copy
@@ -58,6 +61,34 @@ def blocks(family: str, D: int):
     return {"hf_grouped_mm": block, "hf_eager": eager, "fmoe": fmoe_block}
 
 
+def gemm_floor(fmoe_block, config, x):
+    """A step of nothing but the block's GEMMs: for every expert (its rows as fmoe routed them,
+    and the shared experts over all tokens) the two forward and four backward GEMMs of a gated
+    MLP, and the router's three, into buffers allocated beforehand. An implementation running
+    these GEMMs through torch cannot be faster: it bounds every speed-up."""
+    import fmoe as fmoe_pkg
+    layer = next(m for m in fmoe_block.modules() if isinstance(m, fmoe_pkg.FMoE))
+    fmoe_block(x)
+    counts = [int(c) for c in layer.last_counts_E.tolist()]
+    T, D = x.shape[-2], x.shape[-1]
+    F = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = getattr(config, "n_shared_experts", 0) or 0
+    segments = counts + ([T] if shared else [])
+    widths = [F] * len(counts) + ([F * shared] if shared else [])
+    num_expert = len(counts)
+    gemms = [((T, D), (D, num_expert)), ((D, T), (T, num_expert)), ((T, num_expert), (num_expert, D))]
+    for n, f in zip(segments, widths):
+        gemms += [((n, D), (D, 2 * f)), ((n, f), (f, D)),              # forward: up+gate, down
+                  ((f, n), (n, D)), ((n, D), (D, f)),                  # backward of down: dW, dA
+                  ((D, n), (n, 2 * f)), ((n, 2 * f), (2 * f, D))]      # backward of up+gate: dW, dX
+    operands = [(torch.randn(a), torch.randn(b), torch.empty(a[0], b[1])) for a, b in gemms]
+
+    def step():
+        for a, b, out in operands:
+            torch.mm(a, b, out=out)
+    return step
+
+
 def fwd_bwd(block, x):
     def step():
         block.zero_grad(set_to_none=True)
@@ -83,12 +114,17 @@ def main(argv=None):
     for family in args.families:
         competitors = blocks(family, args.d_model)
         x = torch.randn(1, args.tokens, args.d_model, requires_grad=True)
-        ms = {name: 1e3 * t for name, t in time_interleaved(
-            {name: fwd_bwd(b, x) for name, b in competitors.items()}, reps=args.reps).items()}
+        steps = {name: fwd_bwd(b, x) for name, b in competitors.items()}
+        steps["gemm_floor"] = gemm_floor(competitors["fmoe"], block_config(family, args.d_model), x.detach())
+        ms = {name: 1e3 * t for name, t in time_interleaved(steps, reps=args.reps).items()}
+        floor = ms.pop("gemm_floor")
         ratios = {f"fmoe_vs_{name}": ms[name] / ms["fmoe"] for name in ms if name != "fmoe"}
-        results["blocks"][family] = {"ms": ms, "speedup": ratios}
-        print(f"{family:12s} " + "  ".join(f"{n} {t:8.2f} ms" for n, t in ms.items()) + "   "
-              + "  ".join(f"{n} {r:.2f}x" for n, r in ratios.items()), flush=True)
+        bounds = {f"floor_vs_{name}": ms[name] / floor for name in ms if name != "fmoe"}
+        results["blocks"][family] = {"ms": ms, "gemm_floor_ms": floor, "speedup": ratios,
+                                     "largest_possible_speedup": bounds}
+        print(f"{family:12s} " + "  ".join(f"{n} {t:8.2f} ms" for n, t in ms.items()) + f"  GEMMs alone {floor:8.2f} ms   "
+              + "  ".join(f"{n} {r:.2f}x" for n, r in ratios.items())
+              + "   (at most: " + ", ".join(f"{n[9:]} {r:.2f}x" for n, r in bounds.items()) + ")", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, results, indent=2)
     print(f"wrote {args.out}")

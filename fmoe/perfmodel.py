@@ -10,6 +10,8 @@ with s the bytes per element. The layer takes as long as its slowest worker. Sha
 experts moves their rows home (loads B -> B') and costs a broadcast of their parameters and a
 reduction of their gradients: r * 2 * alpha * H^2 * s * (1 / W_pull + 1 / W_push), which is
 FasterMoE's 2 * r * 2 * alpha * H^2 * s / W_net while the two bandwidths are left at W_net.
+Calibrated, it is r times `shadow_time_per_expert`, what shadowing one expert adds to a small
+layer step here (the transfers, their packing and the fresh buffers they need).
 
 Two fixed costs, 0 unless calibrated, complete a measured step: each worker spends
 `overhead_per_row` per routed row of its own tokens (the gate, the permutes, the exchange's
@@ -41,6 +43,7 @@ class PerfModel:
     time_per_expert: float = 0.0    # seconds per expert a worker runs, fwd + bwd, whatever its rows
     pull_bandwidth: Optional[float] = None   # bytes/s of a shadowed expert's broadcast (None: W_net)
     push_bandwidth: Optional[float] = None   # bytes/s of its gradients' reduction (None: W_net)
+    shadow_time_per_expert: Optional[float] = None  # measured seconds a shadowed expert adds (None: modelled)
 
     @property
     def alpha(self) -> float:
@@ -65,7 +68,10 @@ class PerfModel:
         return 2 * self.alpha * self.d_model ** 2 * self.bytes_per_element
 
     def shadow_cost(self, num_shadowed: int) -> float:
-        """Broadcast of the parameters and reduction of the gradients of the shadowed experts."""
+        """Broadcast of the parameters and reduction of the gradients of the shadowed experts
+        (measured whole, packing and fresh buffers included, when calibrated)."""
+        if self.shadow_time_per_expert is not None:
+            return num_shadowed * self.shadow_time_per_expert
         pull = self.pull_bandwidth or self.net_bandwidth
         push = self.push_bandwidth or self.net_bandwidth
         return num_shadowed * self.expert_bytes * (1 / pull + 1 / push)
@@ -147,7 +153,7 @@ def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tok
     set is the layer's) over `size` and `size // 4` rows shared evenly, whose slope gives the
     FLOP/s and whose intercept, per expert, the time per expert; when distributed, the all-to-all
     bytes/s, the broadcast and reduction bytes/s of one expert's parameters (the shadowing pull
-    and push), and, with `tokens` > 0, the fixed time per routed row (a layer step over `tokens`
+    and push), what shadowing one expert adds to a layer step, and, with `tokens` > 0, the fixed time per routed row (a layer step over `tokens`
     tokens with experts of width 1, less its modelled compute and traffic)."""
     import torch.distributed as dist
 
@@ -184,17 +190,21 @@ def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tok
                                                           dist.reduce(params, dst=src, group=group)), reps)
     measured = replace(model, flops=flops, net_bandwidth=bandwidth, time_per_expert=per_expert,
                        pull_bandwidth=pull, push_bandwidth=push)
+    shadow = model.shadow_time_per_expert
     if distributed and tokens > 0:
         overhead = _overhead_per_row(measured, group, tokens, reps)
+    if distributed:
+        shadow = _shadow_time_per_expert(measured, group, num_expert, reps)
     if distributed:                     # everyone must use the same model: the slowest rank's
         rates = torch.tensor([flops, bandwidth, pull, push], dtype=torch.double)
         dist.all_reduce(rates, op=dist.ReduceOp.MIN, group=group)
-        costs = torch.tensor([overhead, per_expert], dtype=torch.double)
+        costs = torch.tensor([overhead, per_expert, shadow], dtype=torch.double)
         dist.all_reduce(costs, op=dist.ReduceOp.MAX, group=group)
         flops, bandwidth, pull, push = rates.tolist()
-        overhead, per_expert = costs.tolist()
+        overhead, per_expert, shadow = costs.tolist()
     return replace(model, flops=flops, net_bandwidth=bandwidth, overhead_per_row=overhead,
-                   time_per_expert=per_expert, pull_bandwidth=pull, push_bandwidth=push)
+                   time_per_expert=per_expert, pull_bandwidth=pull, push_bandwidth=push,
+                   shadow_time_per_expert=shadow)
 
 
 def _global_rank(group, rank: int) -> int:
@@ -222,3 +232,38 @@ def _overhead_per_row(model: PerfModel, group, tokens: int, reps: int) -> float:
     counts_WE = torch.full((world, world), tokens / world, dtype=torch.double)
     tiny = replace(model, d_hidden=1, time_per_expert=0.0)
     return max(0.0, seconds - tiny.layer_time(counts_WE)) / tokens
+
+
+def _shadow_time_per_expert(model: PerfModel, group, num_expert: int, reps: int, tokens: int = 64) -> float:
+    """What shadowing one expert adds to a step of a layer of `model`'s shapes: the same layer over
+    a few uniformly routed tokens (so the rows cost next to nothing) with expert 0 shadowed and
+    without, the two taking turns; at least the transfers at `model`'s pull and push bandwidths."""
+    import torch.distributed as dist
+
+    import fmoe
+    from fmoe.distributed.shadow import ShadowPolicy
+    from fmoe.gates.round_robin import RoundRobinGate
+
+    class ShadowFirst(ShadowPolicy):
+        def choose(self, counts_E, world_size, group=None):
+            self.gather_counts(counts_E, world_size, group)     # the collective of real use
+            return [0]
+
+    world = dist.get_world_size(group)
+    layers = [fmoe.FMoETransformerMLP(num_expert=num_expert, d_model=model.d_model, d_hidden=model.d_hidden,
+                                      top_k=1, world_size=world, moe_group=group, gate=RoundRobinGate,
+                                      shadow=shadow) for shadow in (False, ShadowFirst(model))]
+    x = torch.randn(tokens, model.d_model, requires_grad=True)
+    times = ([], [])
+    for rep in range(reps + 1):
+        for layer, seconds in zip(layers, times):
+            layer.zero_grad(set_to_none=True)
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            layer(x).sum().backward()
+            dist.barrier(group=group)
+            if rep:
+                seconds.append(time.perf_counter() - start)
+    off, on = (sorted(t)[len(t) // 2] for t in times)
+    # Never below the modelled transfers: a noisy difference must not make shadowing look free.
+    return max(on - off, replace(model, shadow_time_per_expert=None).shadow_cost(1))

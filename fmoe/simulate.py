@@ -96,7 +96,8 @@ def plot(rows: List[dict], distributions: List[str], path: Path):
 
 
 # The constants a calibration measures, as bench_shadow's JSON and compare.json name them.
-CONSTANTS = ("flops", "net_bandwidth", "overhead_per_row", "time_per_expert", "pull_bandwidth", "push_bandwidth")
+CONSTANTS = ("flops", "net_bandwidth", "overhead_per_row", "time_per_expert", "pull_bandwidth", "push_bandwidth",
+             "shadow_time_per_expert")
 
 
 def constants_of(model: PerfModel) -> dict:
@@ -108,11 +109,16 @@ def describe(c: dict) -> str:
         return "W_net" if v is None else f"{v / 1e9:.2f} GB/s"
     return (f"{c['flops'] / 1e9:.1f} GFLOP/s, all-to-all {c['net_bandwidth'] / 1e9:.3f} GB/s, "
             f"{c.get('overhead_per_row', 0.0) * 1e6:.2f} us per row, {c.get('time_per_expert', 0.0) * 1e3:.1f} ms per "
-            f"expert, pull {gbs(c.get('pull_bandwidth'))}, push {gbs(c.get('push_bandwidth'))}")
+            f"expert, pull {gbs(c.get('pull_bandwidth'))}, push {gbs(c.get('push_bandwidth'))}"
+            + ("" if c.get("shadow_time_per_expert") is None
+               else f", {c['shadow_time_per_expert'] * 1e3:.1f} ms per shadowed expert"))
 
 
-def _calibrate_rank(rank, world, store, d_model, d_hidden, tokens, num_expert, queue):
+def _calibrate_rank(rank, world, store, d_model, d_hidden, tokens, num_expert, keep_freed_memory, queue):
     import torch.distributed as dist
+    if keep_freed_memory:
+        from fmoe import cpu_memory
+        cpu_memory.keep_freed_memory()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     model = calibrate(PerfModel(d_model, d_hidden), size=tokens or 512, tokens=tokens, num_expert=num_expert)
@@ -122,16 +128,18 @@ def _calibrate_rank(rank, world, store, d_model, d_hidden, tokens, num_expert, q
     dist.destroy_process_group()
 
 
-def calibrate_here(d_model: int, d_hidden: int, tokens: int = 0, num_expert: int = 1) -> dict:
+def calibrate_here(d_model: int, d_hidden: int, tokens: int = 0, num_expert: int = 1,
+                   keep_freed_memory: bool = False) -> dict:
     """The model's constants (CONSTANTS) measured on 2 gloo ranks of this machine, one thread
     each, for these shapes and `num_expert` experts per rank (the per-row overhead only with
-    `tokens` > 0, else 0)."""
+    `tokens` > 0, else 0), with malloc keeping freed memory if asked (fmoe.cpu_memory)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fmoe-calibrate-") as folder:
         procs = [ctx.Process(target=_calibrate_rank, args=(r, 2, os.path.join(folder, "store"), d_model, d_hidden,
-                                                           tokens, num_expert, queue)) for r in range(2)]
+                                                           tokens, num_expert, keep_freed_memory, queue))
+                 for r in range(2)]
         for proc in procs:
             proc.start()
         result = queue.get()
@@ -240,9 +248,11 @@ def run(args) -> List[dict]:
         bench = json.loads(Path(args.compare).read_text())
         if args.calibrate:          # this machine's constants at the bench run's shapes
             cfg = bench["config"]
-            constants = calibrate_here(cfg["d_model"], cfg["d_hidden"], cfg["tokens"], cfg.get("num_expert", 2) // 2)
+            keep = bool(cfg.get("keep_freed_memory"))      # the allocator the bench ran with
+            constants = calibrate_here(cfg["d_model"], cfg["d_hidden"], cfg["tokens"], cfg.get("num_expert", 2) // 2,
+                                       keep_freed_memory=keep)
             print(f"calibrated here at the bench's shapes (d_model {cfg['d_model']}, d_hidden {cfg['d_hidden']}, "
-                  f"{cfg['tokens']} tokens): {describe(constants)}")
+                  f"{cfg['tokens']} tokens{', malloc keeping freed memory' if keep else ''}): {describe(constants)}")
         else:                       # the constants the bench run measured for itself
             constants = bench["model"]
         compare(Path(args.compare), constants, Path(args.out))

@@ -1,4 +1,6 @@
 """FasterMoE: performance model, shadowing policy, shadowing (real processes)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -30,6 +32,10 @@ def test_fixed_costs_and_separate_pull_push_bandwidths_by_hand():
     # Expert 0 shadowed: w1 runs 3 experts (its 2 and the pulled one) over 8 rows; one expert's
     # 2 * 2 * 16 bytes go out at 20 B/s and come back at 5 B/s.
     assert m.layer_time(counts, [0]) == pytest.approx(8 * per_row + 3 * 0.5 + 64 / 20 + 64 / 5 + 0.01 * own_rows)
+    # A measured cost per shadowed expert replaces the modelled transfers.
+    measured = replace(m, shadow_time_per_expert=7.0)
+    assert measured.layer_time(counts, [0]) == pytest.approx(8 * per_row + 3 * 0.5 + 7.0 + 0.01 * own_rows)
+    assert measured.shadow_cost(3) == pytest.approx(21.0)
 
 
 def test_calibration_on_two_ranks_measures_every_constant():
