@@ -1,6 +1,6 @@
 """Shadowing policies side by side: 2 ranks (gloo, one thread each), d_model 1024, d_hidden 4096.
 
-    python benchmarks/bench_shadow.py [--tokens 2048] [--num-expert 16] [--reps 5] [--out FILE]
+    python benchmarks/bench_shadow.py [--tokens 2048] [--num-expert 16] [--reps 5] [--keep-freed-memory] [--out FILE]
 
 Cases (fixed top-1 routing): `uniform`, `half_to_one_expert` (expert 0 takes half of all tokens,
 the rest spread evenly), `eighty_to_one_expert` (80%), and any `--extra` distribution of
