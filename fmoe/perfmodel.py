@@ -153,8 +153,9 @@ def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tok
     set is the layer's) over `size` and `size // 4` rows shared evenly, whose slope gives the
     FLOP/s and whose intercept, per expert, the time per expert; when distributed, the all-to-all
     bytes/s, the broadcast and reduction bytes/s of one expert's parameters (the shadowing pull
-    and push), what shadowing one expert adds to a layer step, and, with `tokens` > 0, the fixed time per routed row (a layer step over `tokens`
-    tokens with experts of width 1, less its modelled compute and traffic)."""
+    and push), what shadowing one expert adds to a layer step, and, with `tokens` > 0, the fixed
+    time per routed row (a layer step over `tokens` tokens with experts of width 1, less its
+    modelled compute and traffic)."""
     import torch.distributed as dist
 
     from fmoe.experts import GroupedExperts
@@ -178,7 +179,8 @@ def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tok
     pull, push = model.pull_bandwidth, model.push_bandwidth
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     if distributed:
-        src = _global_rank(group, 0)
+        from fmoe.distributed.groups import global_rank
+        src = global_rank(group, 0)
         buf = torch.randn(2 ** 20)      # 4 MiB: the size of a dispatch, past the latency-bound sizes
         out = torch.empty_like(buf)
         bandwidth = buf.numel() * buf.element_size() / _median_time(
@@ -195,7 +197,7 @@ def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tok
         overhead = _overhead_per_row(measured, group, tokens, reps)
     if distributed:
         shadow = _shadow_time_per_expert(measured, group, num_expert, reps)
-    if distributed:                     # everyone must use the same model: the slowest rank's
+        # Everyone must use the same model: the slowest rank's.
         rates = torch.tensor([flops, bandwidth, pull, push], dtype=torch.double)
         dist.all_reduce(rates, op=dist.ReduceOp.MIN, group=group)
         costs = torch.tensor([overhead, per_expert, shadow], dtype=torch.double)
@@ -205,11 +207,6 @@ def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tok
     return replace(model, flops=flops, net_bandwidth=bandwidth, overhead_per_row=overhead,
                    time_per_expert=per_expert, pull_bandwidth=pull, push_bandwidth=push,
                    shadow_time_per_expert=shadow)
-
-
-def _global_rank(group, rank: int) -> int:
-    import torch.distributed as dist
-    return dist.get_global_rank(group, rank) if group is not None else rank
 
 
 def _overhead_per_row(model: PerfModel, group, tokens: int, reps: int) -> float:

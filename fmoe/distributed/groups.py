@@ -14,6 +14,11 @@ import torch.distributed as dist
 from fmoe.distributed.timeout import collective_timeout
 
 
+def global_rank(group, rank: int) -> int:
+    """The global rank of `group`'s rank `rank` (the default group: itself)."""
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
 @dataclass
 class ParallelGroups:
     ep_size: int

@@ -16,7 +16,6 @@ Any expert module shadows: a module list (`ModuleListExperts`: expert i is `expe
 or stacked experts (every parameter [num_expert, ...], expert i its slice i, e.g. GroupedExperts
 with any activation). A remote expert with local index i has the shapes of this rank's expert i.
 """
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -26,6 +25,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fmoe.distributed import timeout
+from fmoe.distributed.groups import global_rank
 from fmoe.env import env_flag
 from fmoe.perfmodel import PerfModel
 
@@ -134,10 +134,6 @@ class _Link:
         self.works = []
 
 
-def _global(group, rank: int) -> int:
-    return dist.get_global_rank(group, rank) if group is not None else rank
-
-
 class _PushDone(torch.autograd.Function):
     """Recorded before the dispatch, so its backward runs after the rest of the layer's: waits for
     the gradient reduction and hands the owner its experts' gradients."""
@@ -208,7 +204,7 @@ class _PullDone(torch.autograd.Function):
         # Each gradient is the fresh one the split of its buffer made (a cat), used by no one
         # else: the reduction may work in it in place.
         link.grads = [g.contiguous() for g in grads]
-        link.works = [dist.reduce(g, dst=_global(link.group, o), group=link.group, async_op=True)
+        link.works = [dist.reduce(g, dst=global_rank(link.group, o), group=link.group, async_op=True)
                       for g, o in zip(link.grads, link.owners)]
         if not link.overlap:
             link.wait()
@@ -251,7 +247,7 @@ class ShadowPull:
                 buf = templates[0][self.names[0]].new_empty(size)
             link.buffers.append(buf)
         self.templates = templates
-        link.works = [dist.broadcast(b, src=_global(group, o), group=group, async_op=True)
+        link.works = [dist.broadcast(b, src=global_rank(group, o), group=group, async_op=True)
                       for b, o in zip(link.buffers, link.owners)]
         if not overlap:
             link.wait()
@@ -280,9 +276,9 @@ class ShadowPull:
         if len(buffers) == 1 and not is_module_list(self.experts, self.num_expert):
             # One owner: its buffer holds every stacked parameter whole, name by name; no copy.
             S = len(self.locals_S)
-            shapes = [self.templates[0][n].shape for n in self.names]
-            pieces = buffers[0].split([S * math.prod(shape) for shape in shapes])
-            stacked = {n: piece.view(S, *shape) for n, piece, shape in zip(self.names, pieces, shapes)}
+            ones = [self.templates[0][n] for n in self.names]
+            pieces = buffers[0].split([S * t.numel() for t in ones])
+            stacked = {n: piece.view(S, *t.shape) for n, piece, t in zip(self.names, pieces, ones)}
             return run_with(self.experts, self.num_expert, x_SD, self.plan.counts_S, self.locals_S, [], stacked)
         tensors_S: List[Dict[str, torch.Tensor]] = [{} for _ in self.locals_S]
         for buf, layout in zip(buffers, self.layouts):
