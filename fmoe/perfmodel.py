@@ -180,6 +180,7 @@ def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tok
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     if distributed:
         from fmoe.distributed.groups import global_rank
+        from fmoe.distributed.shadow import GradientPush
         src = global_rank(group, 0)
         buf = torch.randn(2 ** 20)      # 4 MiB: the size of a dispatch, past the latency-bound sizes
         out = torch.empty_like(buf)
@@ -189,7 +190,7 @@ def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tok
         pull = model.expert_bytes / _median_time(lambda: (dist.barrier(group=group),
                                                           dist.broadcast(params, src=src, group=group)), reps)
         push = model.expert_bytes / _median_time(lambda: (dist.barrier(group=group),
-                                                          dist.reduce(params, dst=src, group=group)), reps)
+                                                          GradientPush([params], [0], group).wait()), reps)
     measured = replace(model, flops=flops, net_bandwidth=bandwidth, time_per_expert=per_expert,
                        pull_bandwidth=pull, push_bandwidth=push)
     shadow = model.shadow_time_per_expert

@@ -116,6 +116,41 @@ def run_with(experts: nn.Module, num_expert: int, x_SD: torch.Tensor, counts_S: 
 
 # ---- pull and push ----
 
+class GradientPush:
+    """Gradient buffers on their way to their owners (ranks of `group`), summed there.
+
+    On gloo, whose reduce runs at about half the speed of its sends (measured here: 32 MiB in 37 ms
+    against 17 ms), every other rank sends its buffer to the owner, which adds them to its own in
+    rank order at `wait`; elsewhere (NCCL) one reduce per owner."""
+
+    def __init__(self, grads: List[torch.Tensor], owners: List[int], group=None):
+        self.grads, self.owners, self.group = grads, owners, group
+        self.works, self.received = [], []
+        if dist.get_backend(group) != "gloo":
+            self.works = [dist.reduce(g, dst=global_rank(group, o), group=group, async_op=True)
+                          for g, o in zip(grads, owners)]
+            return
+        me, world = dist.get_rank(group), dist.get_world_size(group)
+        for g, o in zip(grads, owners):
+            if o != me:
+                self.works.append(dist.isend(g, dst=global_rank(group, o), group=group))
+                continue
+            for r in range(world):
+                if r != me:
+                    self.received.append(torch.empty_like(g))
+                    self.works.append(dist.irecv(self.received[-1], src=global_rank(group, r), group=group))
+
+    def wait(self, what: str = "gradient push"):
+        for w in self.works:
+            timeout.wait(w, f"{timeout.current_layer()}: {what}")
+        self.works = []
+        if self.received:
+            mine = self.grads[self.owners.index(dist.get_rank(self.group))]
+            for g in self.received:
+                mine.add_(g)
+            self.received = []
+
+
 class _Link:
     """What the pull's two autograd nodes share: the owners, their buffers and works in flight."""
 
@@ -123,15 +158,19 @@ class _Link:
         self.group, self.overlap = group, overlap
         self.owners: List[int] = []
         self.buffers: List[torch.Tensor] = []
-        self.works: list = []
+        self.works: list = []                   # the pull's broadcasts
+        self.push: Optional[GradientPush] = None
         self.grads: List[torch.Tensor] = []
         self.owned_sizes: List[int] = []        # numel of each tensor this rank owns, in buffer order
         self.fold = False                       # the owner's pushed gradients go through _AddPushed
 
     def wait(self):
         for w in self.works:
-            timeout.wait(w, f"{timeout.current_layer()}: shadowed experts' parameter pull / gradient push")
+            timeout.wait(w, f"{timeout.current_layer()}: shadowed experts' parameter pull")
         self.works = []
+        if self.push is not None:
+            self.push.wait("shadowed experts' gradient push")
+            self.push = None
 
 
 class _PushDone(torch.autograd.Function):
@@ -204,8 +243,7 @@ class _PullDone(torch.autograd.Function):
         # Each gradient is the fresh one the split of its buffer made (a cat), used by no one
         # else: the reduction may work in it in place.
         link.grads = [g.contiguous() for g in grads]
-        link.works = [dist.reduce(g, dst=global_rank(link.group, o), group=link.group, async_op=True)
-                      for g, o in zip(link.grads, link.owners)]
+        link.push = GradientPush(link.grads, link.owners, link.group)
         if not link.overlap:
             link.wait()
         return None, grads[0].new_empty(0)
