@@ -123,7 +123,9 @@ def worker(rank, world, args):
     if args.keep_freed_memory:
         cpu_memory.keep_freed_memory()
     e = args.num_expert // world
-    model = calibrate(PerfModel(args.d_model, args.d_hidden), size=args.tokens, tokens=args.tokens, num_expert=e)
+    # As many calibration steps as timed steps: a 5-step median moved the constants by 10% between runs.
+    model = calibrate(PerfModel(args.d_model, args.d_hidden), size=args.tokens, tokens=args.tokens, num_expert=e,
+                      reps=max(5, args.reps))
     cases = dict(CASES, **{d: d for d in args.extra})
     results = {}
     for case, distribution in cases.items():
