@@ -173,7 +173,7 @@ def main(argv=None):
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--d-hidden", type=int, default=4096)
     p.add_argument("--num-expert", type=int, default=16, help="experts in all")
-    p.add_argument("--reps", type=int, default=5, help="timed steps per variant (median)")
+    p.add_argument("--reps", type=int, default=5, help="timed steps per variant (median); the calibration takes as many (at least 5)")
     p.add_argument("--static-replicas", type=int, default=1, help="experts the static baseline replicates")
     p.add_argument("--static-window", type=int, default=4, help="steps of load history per static re-plan")
     p.add_argument("--extra", nargs="*", default=[],
