@@ -12,15 +12,16 @@ the last `--static-window` steps are replicated for the next ones); and the hott
 always shadowed. `ideal_speedup` is the busiest rank's rows before over after free shadowing,
 from the measured counts; `balanced_bound_speedup` is the shadowing-off step over the balanced
 (uniform) step scaled to the busiest rank's rows after free shadowing: the ideal once the step's
-fixed costs are counted. Writes JSON only with `--out` (the committed figure is
-benchmarks/results/shadow-cpu.json, run on a quiet machine).
+fixed costs are counted. The calibration's probes (fmoe.calibration) take turns with every case's
+steps: their fit over all cases is the run's `model`, which `fmoe simulate --compare` predicts
+the steps with (each case's own fit is kept beside it); the dynamic policy uses constants
+calibrated before the first case (`policy_model`). Writes JSON only with `--out` (the committed
+figure is benchmarks/results/shadow-cpu.json, run on a quiet machine).
 """
 import argparse
-import gc
 import os
 import statistics
 import sys
-import time
 from collections import deque
 from pathlib import Path
 
@@ -33,7 +34,8 @@ from fmoe import cpu_memory  # noqa: E402
 from common import machine, run_on_ranks  # noqa: E402
 from fmoe.distributed.shadow import ShadowPolicy  # noqa: E402
 from fmoe.gates.base import BaseGate, LinearRouter  # noqa: E402
-from fmoe.perfmodel import PerfModel, calibrate  # noqa: E402
+from fmoe.calibration import Calibration, calibrate, medians, time_in_turns  # noqa: E402
+from fmoe.perfmodel import PerfModel  # noqa: E402
 from fmoe.simulate import constants_of, describe, expert_shares  # noqa: E402
 from fmoe.files import write_json  # noqa: E402
 
@@ -89,25 +91,27 @@ class StaticReplication(ShadowPolicy):
         return list(self.current)
 
 
-def step_times(layers: dict, x, reps: int, warmup: dict) -> dict:
-    """Forward+backward seconds of each layer's timed steps, the layers taking turns step by step
-    (a drift of this shared VM's speed then hits every variant alike). Each step starts from no
-    gradients, as after an optimizer's zero_grad."""
-    def step(layer):
-        layer.zero_grad(set_to_none=True)
-        layer(x).sum().backward()
-    for name, layer in layers.items():
-        for _ in range(warmup[name]):
-            step(layer)
-    times = {name: [] for name in layers}
-    for _ in range(reps):
-        for name, layer in layers.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step(layer)
-            dist.barrier()
-            times[name].append(time.perf_counter() - start)
-    return times
+def step_times(layers: dict, cases: dict, statics: dict, x, reps: int, probes: dict, static_window: int) -> dict:
+    """Forward+backward seconds of every (case, variant) step and of the calibration's probes, all
+    taking turns step by step: a drift of this shared VM's speed then hits every case, every
+    variant and the constants that predict them alike. A case is the layer's gate routing by its
+    distribution (and, for the static baseline, that case's own load history); each step starts
+    from no gradients, as after an optimizer's zero_grad. Keys: "case/variant" and the probes'."""
+    def step_of(case, variant):
+        layer = layers[variant]
+
+        def step():
+            layer.gate.distribution = cases[case]
+            if variant == "static":
+                layer.shadow_policy = statics[case]
+            layer.zero_grad(set_to_none=True)
+            layer(x).sum().backward()
+        return step
+    steps = {f"{case}/{v}": step_of(case, v) for case in cases for v in layers}
+    for case in cases:                  # each static baseline fills its load history first
+        for _ in range(static_window):
+            steps[f"{case}/static"]()
+    return time_in_turns({**steps, **probes}, reps)
 
 
 def ideal_speedup(counts_WE: torch.Tensor, d_model: int, d_hidden: int) -> tuple:
@@ -123,36 +127,37 @@ def worker(rank, world, args):
     if args.keep_freed_memory:
         cpu_memory.keep_freed_memory()
     e = args.num_expert // world
-    # As many calibration steps as timed steps: a 5-step median moved the constants by 10% between runs.
-    model = calibrate(PerfModel(args.d_model, args.d_hidden), size=args.tokens, tokens=args.tokens, num_expert=e,
-                      reps=max(5, args.reps))
+    shapes = dict(size=args.tokens, tokens=args.tokens, num_expert=e)
+    # The policy's constants, measured before any case; the simulator's are timed in turns with the
+    # cases' steps (`beside`), as a 5-step calibration ahead of them was 7-11% off their speed.
+    model = calibrate(PerfModel(args.d_model, args.d_hidden), reps=max(5, args.reps), **shapes)
+    beside = Calibration(PerfModel(args.d_model, args.d_hidden), **shapes)
     cases = dict(CASES, **{d: d for d in args.extra})
+    statics = {case: StaticReplication(model, args.static_replicas, args.static_window) for case in cases}
+    policies = {"off": False, "dynamic": ShadowPolicy(model), "forced": AlwaysShadowHottest(model),
+                "static": next(iter(statics.values()))}
+    layers = {}
+    for variant in VARIANTS:
+        torch.manual_seed(0)
+        layers[variant] = fmoe.FMoETransformerMLP(
+            num_expert=e, d_model=args.d_model, d_hidden=args.d_hidden, top_k=1, world_size=world,
+            gate=PresetGate, gate_kwargs={"distribution": "uniform"}, shadow=policies[variant])
+    x = torch.randn(args.tokens, args.d_model, requires_grad=True)
+    times = step_times(layers, cases, statics, x, args.reps, beside.probes(), args.static_window)
+    probe_times = {name: times[name] for name in beside.probes()}
     results = {}
     for case, distribution in cases.items():
         row = {"distribution": distribution}
-        policies = {"off": False, "dynamic": ShadowPolicy(model), "forced": AlwaysShadowHottest(model),
-                    "static": StaticReplication(model, args.static_replicas, args.static_window)}
-        layers = {}
-        for variant in VARIANTS:
-            torch.manual_seed(0)
-            layers[variant] = fmoe.FMoETransformerMLP(
-                num_expert=e, d_model=args.d_model, d_hidden=args.d_hidden, top_k=1, world_size=world,
-                gate=PresetGate, gate_kwargs={"distribution": distribution}, shadow=policies[variant])
-        x = torch.randn(args.tokens, args.d_model, requires_grad=True)
-        warmup = {v: args.static_window + 1 if v == "static" else 1 for v in VARIANTS}
-        for v, steps in step_times(layers, x, args.reps, warmup).items():
+        for v in VARIANTS:
+            steps = times[f"{case}/{v}"]
             row[f"{v}_s"], row[f"{v}_steps_s"] = statistics.median(steps), steps
+        layers["off"].gate.distribution = distribution
+        layers["off"](x)                                  # its counts, untimed
         counts_WE = ShadowPolicy(model).gather_counts(layers["off"].last_counts_E, world)
         row["counts_WE"] = counts_WE.tolist()
         row["rank_loads_before"], row["rank_loads_after_free_shadowing"], row["ideal_speedup"] = \
             ideal_speedup(counts_WE, args.d_model, args.d_hidden)
-        row["shadowed_experts"] = model.choose_shadowed(counts_WE)
-        row["predicted_off_s"] = model.layer_time(counts_WE)
-        row["predicted_dynamic_s"] = model.layer_time(counts_WE, row["shadowed_experts"])
-        # The layers hold reference cycles (the experts' FastMoE views point back at them), which
-        # gc only breaks when it runs: without this, every case's layers stay in memory.
-        del layers, x
-        gc.collect()
+        row["shadowed_experts"] = model.choose_shadowed(counts_WE)     # what the dynamic layer shadowed
         row["speedup"] = row["off_s"] / row["dynamic_s"]
         row["static_speedup"] = row["off_s"] / row["static_s"]
         row["forced_speedup"] = row["off_s"] / row["forced_s"]
@@ -164,7 +169,14 @@ def worker(rank, world, args):
                                                             * row["rank_loads_after_free_shadowing"])
             row["fraction_of_balanced_bound"] = row["speedup"] / row["balanced_bound_speedup"]
         results[case] = row
-    return {"results": results, "model": constants_of(model)}
+    # The simulator's constants, from the probes timed in turns with every case's steps.
+    simulator = beside.fit(medians(probe_times))
+    for row in results.values():
+        counts_WE = torch.tensor(row["counts_WE"], dtype=torch.double)
+        row["predicted_off_s"] = simulator.layer_time(counts_WE)
+        row["predicted_dynamic_s"] = simulator.layer_time(counts_WE, row["shadowed_experts"])
+    return {"results": results, "model": constants_of(simulator), "policy_model": constants_of(model),
+            "probes_s": probe_times}
 
 
 def main(argv=None):
@@ -191,7 +203,8 @@ def main(argv=None):
     allocator = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"}
     out["allocator_env"] = allocator
     print(f"2 ranks x 1 thread, gloo; {args.tokens} tokens/rank, D={args.d_model} F={args.d_hidden}, "
-          f"{args.num_expert} experts, top-1; model: {describe(m)}")
+          f"{args.num_expert} experts, top-1;\n  the policy's model (calibrated first): {describe(out['policy_model'])}"
+          f"\n  the simulator's (its probes timed in turns with the steps): {describe(m)}")
     print(f"{'case':22s}{'off ms':>8s}{'dynamic':>9s}{'static':>8s}{'forced':>8s}{'speedup':>9s}{'ideal':>7s}"
           f"{'of ideal':>9s}{'bound':>7s}{'of bound':>9s}{'static x':>9s}{'forced x':>9s}  shadowed")
     for name, r in out["results"].items():

@@ -11,7 +11,8 @@ experts moves their rows home (loads B -> B') and costs a broadcast of their par
 reduction of their gradients: r * 2 * alpha * H^2 * s * (1 / W_pull + 1 / W_push), which is
 FasterMoE's 2 * r * 2 * alpha * H^2 * s / W_net while the two bandwidths are left at W_net.
 Calibrated, it is r times `shadow_time_per_expert`, what shadowing one expert adds to a small
-layer step here (the transfers, their packing and the fresh buffers they need).
+layer step here beyond the one more expert a rank then runs (the transfers, their packing and
+the fresh buffers they need).
 
 Two fixed costs, 0 unless calibrated, complete a measured step: each worker spends
 `overhead_per_row` per routed row of its own tokens (the gate, the permutes, the exchange's
@@ -23,8 +24,7 @@ The smart schedule splits the exchange into `steps` chunks and pipelines the thr
 each pass (rows out, compute, rows back; forward, then backward with twice the compute): a
 pipeline of stages a, b, c over n chunks takes (a + b + c) / n + (n - 1) * max(a, b, c) / n.
 """
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
@@ -134,134 +134,3 @@ class PerfModel:
 def pipeline_time(stages: Sequence[float], steps: int) -> float:
     """Stages run one after another per chunk; chunks overlap (a pipeline over `steps` chunks)."""
     return sum(stages) / steps + (steps - 1) * max(stages) / steps
-
-
-def _median_time(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tokens: int = 0,
-              num_expert: int = 1) -> PerfModel:
-    """Measure this machine's constants for `model`'s shapes: the MLP step (forward and backward,
-    fmoe's own kernels, from no gradients) of `num_expert` experts (a rank's own, so the working
-    set is the layer's) over `size` and `size // 4` rows shared evenly, whose slope gives the
-    FLOP/s and whose intercept, per expert, the time per expert; when distributed, the all-to-all
-    bytes/s, the broadcast and reduction bytes/s of one expert's parameters (the shadowing pull
-    and push), what shadowing one expert adds to a layer step, and, with `tokens` > 0, the fixed
-    time per routed row (a layer step over `tokens` tokens with experts of width 1, less its
-    modelled compute and traffic)."""
-    import torch.distributed as dist
-
-    from fmoe.experts import GroupedExperts
-    experts = GroupedExperts(num_expert, model.d_model, model.d_hidden, "gelu", bias=True)
-
-    def expert_seconds(rows: int) -> float:
-        counts = torch.full((num_expert,), rows // num_expert)
-        counts[: rows % num_expert] += 1
-        x = torch.randn(rows, model.d_model, requires_grad=True)
-
-        def expert_step():
-            experts.zero_grad(set_to_none=True)
-            experts(x, counts).sum().backward()
-        return _median_time(expert_step, reps)
-    small, large = max(num_expert, size // 4), max(num_expert + 1, size)
-    t_small, t_large = expert_seconds(small), expert_seconds(large)
-    per_row = max(t_large - t_small, 1e-3 * t_large) / (large - small)
-    flops = 3 * 4 * model.alpha * model.d_model ** 2 / per_row
-    per_expert = max(0.0, t_large - per_row * large) / num_expert
-    bandwidth, overhead = model.net_bandwidth, model.overhead_per_row
-    pull, push = model.pull_bandwidth, model.push_bandwidth
-    distributed = dist.is_initialized() and dist.get_world_size(group) > 1
-    if distributed:
-        from fmoe.distributed.groups import global_rank
-        from fmoe.distributed.shadow import GradientPush
-        src = global_rank(group, 0)
-        buf = torch.randn(2 ** 20)      # 4 MiB: the size of a dispatch, past the latency-bound sizes
-        out = torch.empty_like(buf)
-        bandwidth = buf.numel() * buf.element_size() / _median_time(
-            lambda: dist.all_to_all_single(out, buf, group=group), reps)
-        params = torch.randn(int(model.expert_bytes // 4))  # one expert, as shadowing sends it
-        pull = model.expert_bytes / _median_time(lambda: (dist.barrier(group=group),
-                                                          dist.broadcast(params, src=src, group=group)), reps)
-        push = model.expert_bytes / _median_time(lambda: (dist.barrier(group=group),
-                                                          GradientPush([params], [0], group).wait()), reps)
-    measured = replace(model, flops=flops, net_bandwidth=bandwidth, time_per_expert=per_expert,
-                       pull_bandwidth=pull, push_bandwidth=push)
-    shadow = model.shadow_time_per_expert
-    if distributed and tokens > 0:
-        overhead = _overhead_per_row(measured, group, tokens, reps)
-    if distributed:
-        shadow = _shadow_time_per_expert(measured, group, num_expert, reps)
-        # Everyone must use the same model: the slowest rank's.
-        rates = torch.tensor([flops, bandwidth, pull, push], dtype=torch.double)
-        dist.all_reduce(rates, op=dist.ReduceOp.MIN, group=group)
-        costs = torch.tensor([overhead, per_expert, shadow], dtype=torch.double)
-        dist.all_reduce(costs, op=dist.ReduceOp.MAX, group=group)
-        flops, bandwidth, pull, push = rates.tolist()
-        overhead, per_expert, shadow = costs.tolist()
-    return replace(model, flops=flops, net_bandwidth=bandwidth, overhead_per_row=overhead,
-                   time_per_expert=per_expert, pull_bandwidth=pull, push_bandwidth=push,
-                   shadow_time_per_expert=shadow)
-
-
-def _overhead_per_row(model: PerfModel, group, tokens: int, reps: int) -> float:
-    """A layer step's time beyond the modelled expert compute and traffic, per routed row: one
-    expert per worker of width 1, top-1, a uniform round-robin routing, same d_model."""
-    import torch.distributed as dist
-
-    import fmoe
-    from fmoe.gates.round_robin import RoundRobinGate
-
-    world = dist.get_world_size(group)
-    layer = fmoe.FMoETransformerMLP(num_expert=1, d_model=model.d_model, d_hidden=1, top_k=1, world_size=world,
-                                    moe_group=group, gate=RoundRobinGate)
-    x = torch.randn(tokens, model.d_model, requires_grad=True)
-
-    def layer_step():
-        dist.barrier(group=group)
-        layer(x).sum().backward()
-    seconds = _median_time(layer_step, reps)
-    counts_WE = torch.full((world, world), tokens / world, dtype=torch.double)
-    tiny = replace(model, d_hidden=1, time_per_expert=0.0)
-    return max(0.0, seconds - tiny.layer_time(counts_WE)) / tokens
-
-
-def _shadow_time_per_expert(model: PerfModel, group, num_expert: int, reps: int, tokens: int = 64) -> float:
-    """What shadowing one expert adds to a step of a layer of `model`'s shapes: the same layer over
-    a few uniformly routed tokens (so the rows cost next to nothing) with expert 0 shadowed and
-    without, the two taking turns; at least the transfers at `model`'s pull and push bandwidths."""
-    import torch.distributed as dist
-
-    import fmoe
-    from fmoe.distributed.shadow import ShadowPolicy
-    from fmoe.gates.round_robin import RoundRobinGate
-
-    class ShadowFirst(ShadowPolicy):
-        def choose(self, counts_E, world_size, group=None):
-            self.gather_counts(counts_E, world_size, group)     # the collective of real use
-            return [0]
-
-    world = dist.get_world_size(group)
-    layers = [fmoe.FMoETransformerMLP(num_expert=num_expert, d_model=model.d_model, d_hidden=model.d_hidden,
-                                      top_k=1, world_size=world, moe_group=group, gate=RoundRobinGate,
-                                      shadow=shadow) for shadow in (False, ShadowFirst(model))]
-    x = torch.randn(tokens, model.d_model, requires_grad=True)
-    times = ([], [])
-    for rep in range(reps + 1):
-        for layer, seconds in zip(layers, times):
-            layer.zero_grad(set_to_none=True)
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            layer(x).sum().backward()
-            dist.barrier(group=group)
-            if rep:
-                seconds.append(time.perf_counter() - start)
-    off, on = (sorted(t)[len(t) // 2] for t in times)
-    # Never below the modelled transfers: a noisy difference must not make shadowing look free.
-    return max(on - off, replace(model, shadow_time_per_expert=None).shadow_cost(1))

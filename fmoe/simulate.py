@@ -25,7 +25,8 @@ import tempfile
 import torch
 
 from fmoe.files import save_figure, write_json
-from fmoe.perfmodel import PerfModel, calibrate
+from fmoe.calibration import calibrate
+from fmoe.perfmodel import PerfModel
 
 STRATEGIES = ("plain", "shadow", "schedule", "both")
 # FasterMoE (PPoPP'22): shadowing + smart schedule, one MoE layer, V100s.
@@ -163,7 +164,9 @@ def compare(bench_json: Path, constants: dict, out: Path) -> dict:
     for case, r in data["results"].items():
         counts_WE = torch.tensor(r["counts_WE"], dtype=torch.double)
         hottest = [int(counts_WE.sum(0).argmax())]
-        for variant, shadowed in (("off", []), ("dynamic", model.choose_shadowed(counts_WE)), ("forced", hottest)):
+        # The experts the run's dynamic layer shadowed (older runs: what this model would choose).
+        dynamic = r.get("shadowed_experts", model.choose_shadowed(counts_WE))
+        for variant, shadowed in (("off", []), ("dynamic", dynamic), ("forced", hottest)):
             points.append({"case": case, "variant": variant, "measured_s": r[f"{variant}_s"],
                            "predicted_s": model.layer_time(counts_WE, shadowed)})
     r2 = r_squared([p["measured_s"] for p in points], [p["predicted_s"] for p in points])

@@ -252,7 +252,7 @@ def check_calibration_measures_every_constant_alike_on_all_ranks(rank, world):
     """calibrate() on real ranks: every constant measured, finite, and the same on every rank."""
     import math
 
-    from fmoe.perfmodel import calibrate
+    from fmoe.calibration import calibrate
     from fmoe.simulate import CONSTANTS
     model = calibrate(PerfModel(64, 256), size=256, reps=3, tokens=128)
     values = [getattr(model, name) for name in CONSTANTS]

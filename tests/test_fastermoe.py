@@ -38,6 +38,29 @@ def test_fixed_costs_and_separate_pull_push_bandwidths_by_hand():
     assert measured.shadow_cost(3) == pytest.approx(21.0)
 
 
+def test_probes_take_turns_after_their_warmup():
+    from fmoe.calibration import time_in_turns
+    order = []
+    times = time_in_turns({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, reps=3, warmup=1)
+    assert order == ["a", "b"] + ["a", "b"] * 3
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
+    more = time_in_turns({"a": lambda: None}, reps=2, warmup=0, times=times)    # a later round appends
+    assert more is times and len(times["a"]) == 5
+
+
+def test_calibration_fit_recovers_the_constants_the_expert_steps_were_made_of():
+    from fmoe.calibration import Calibration
+    calibration = Calibration(PerfModel(64, 256), size=256, num_expert=4)
+    truth = PerfModel(64, 256, flops=2.5e10, time_per_expert=3e-4)
+    seconds = {probe: truth.compute_time(rows) + 4 * truth.time_per_expert
+               for probe, rows in (("expert_small", calibration.small), ("expert_large", calibration.large))}
+    fitted = calibration.fit(seconds)
+    assert fitted.flops == pytest.approx(truth.flops) and fitted.time_per_expert == pytest.approx(3e-4)
+    assert set(calibration.probes()) == {"expert_small", "expert_large"}      # one process: no transfers
+    with pytest.raises(ValueError, match="expert_large"):
+        calibration.fit({"expert_small": 1.0})
+
+
 def test_calibration_on_two_ranks_measures_every_constant():
     run_ranks(shadow_workers.check_calibration_measures_every_constant_alike_on_all_ranks, 2)
 
