@@ -12,10 +12,10 @@ the last `--static-window` steps are replicated for the next ones); and the hott
 always shadowed. `ideal_speedup` is the busiest rank's rows before over after free shadowing,
 from the measured counts; `balanced_bound_speedup` is the shadowing-off step over the balanced
 (uniform) step scaled to the busiest rank's rows after free shadowing: the ideal once the step's
-fixed costs are counted. The calibration's probes (fmoe.calibration) take turns with every case's
-steps: their fit over all cases is the run's `model`, which `fmoe simulate --compare` predicts
-the steps with (each case's own fit is kept beside it); the dynamic policy uses constants
-calibrated before the first case (`policy_model`). Writes JSON only with `--out` (the committed
+fixed costs are counted. Every case's variants and the calibration's probes (fmoe.calibration)
+take turns step by step; the probes' fit is the run's `model`, which `fmoe simulate --compare`
+predicts the steps with; the dynamic policy uses constants calibrated before the first step
+(`policy_model`). Writes JSON only with `--out` (the committed
 figure is benchmarks/results/shadow-cpu.json, run on a quiet machine).
 """
 import argparse
