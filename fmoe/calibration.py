@@ -2,10 +2,9 @@
 
 The calibration is a set of *probes*, small steps each timed alone: an expert MLP step over
 the balanced rows and over twice as many (whose slope gives the FLOP/s and whose intercept the
-time per expert),
-an all-to-all, the broadcast and the push of one expert's parameters, a layer step of width-1
-experts (the fixed time per routed row) and a small layer step with one expert shadowed and
-without (what shadowing one expert adds). `Calibration.fit` turns the probes' median seconds into
+time per expert), an all-to-all, the broadcast and the push of one expert's parameters, a layer
+step of width-1 experts (the fixed time per routed row) and a small layer step with one expert
+shadowed and without (what shadowing one expert adds). `Calibration.fit` turns the probes' median seconds into
 a PerfModel.
 
 `calibrate` times the probes taking turns and fits them. A benchmark can instead time the probes
@@ -166,7 +165,7 @@ class Calibration:
         measured = replace(model, flops=flops, net_bandwidth=bandwidth, time_per_expert=per_expert,
                            pull_bandwidth=pull, push_bandwidth=push)
         overhead = model.overhead_per_row
-        if "width_one_layer" in seconds and self.tokens > 0:
+        if self.tokens > 0:                 # the width-1 layer was probed
             world = dist.get_world_size(self.group)
             counts_WE = torch.full((world, world), self.tokens / world, dtype=torch.double)
             tiny = replace(measured, d_hidden=1, time_per_expert=0.0)

@@ -165,7 +165,7 @@ def compare(bench_json: Path, constants: dict, out: Path) -> dict:
         counts_WE = torch.tensor(r["counts_WE"], dtype=torch.double)
         hottest = [int(counts_WE.sum(0).argmax())]
         # The experts the run's dynamic layer shadowed (older runs: what this model would choose).
-        dynamic = r.get("shadowed_experts", model.choose_shadowed(counts_WE))
+        dynamic = r["shadowed_experts"] if "shadowed_experts" in r else model.choose_shadowed(counts_WE)
         for variant, shadowed in (("off", []), ("dynamic", dynamic), ("forced", hottest)):
             points.append({"case": case, "variant": variant, "measured_s": r[f"{variant}_s"],
                            "predicted_s": model.layer_time(counts_WE, shadowed)})
