@@ -1,11 +1,12 @@
 """Measure the performance model's constants (fmoe.perfmodel) on this machine.
 
-The calibration is a set of *probes*, small steps each timed alone: an expert MLP step over
-the balanced rows and over twice as many (whose slope gives the FLOP/s and whose intercept the
-time per expert), an all-to-all, the broadcast and the push of one expert's parameters, a layer
-step of width-1 experts (the fixed time per routed row) and a small layer step with one expert
-shadowed and without (what shadowing one expert adds). `Calibration.fit` turns the probes' median seconds into
-a PerfModel.
+The calibration is a set of *probes*, small steps each timed alone: the layer's experts' MLP step
+at a few rows per expert (the expert curve: how one expert's time grows with its rows, from no
+rows up past the balanced ones; its slope around the balanced rows also gives FasterMoE's FLOP/s
+and a time per expert), an all-to-all, the broadcast and the push of one expert's parameters, a
+layer step of width-1 experts (the fixed time per routed row) and a small layer step with one
+expert shadowed and without (what shadowing one expert adds). `Calibration.fit` turns the probes'
+median seconds into a PerfModel.
 
 `calibrate` times the probes taking turns and fits them. A benchmark can instead time the probes
 in turns with its own steps (`benchmarks/bench_shadow.py` does) and fit them afterwards, so that
@@ -17,11 +18,13 @@ run in the same order on every rank, so all ranks must time the same probes in t
 import statistics
 import time
 from dataclasses import replace
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
 from fmoe.perfmodel import PerfModel
+
+SHADOW_PROBE_TOKENS = 64      # tokens per rank of the shadowing probe's layer: the rows cost next to nothing
 
 
 def _distributed(group) -> bool:
@@ -56,12 +59,13 @@ def time_in_turns(steps: Dict[str, Callable[[], None]], reps: int, warmup: int =
 class Calibration:
     """The probes for `model`'s shapes, and the fit of their times into `model`'s constants.
 
-    `num_expert` experts per rank (a rank's own, so the working set is the layer's), the expert
-    step over `size` and `2 * size` rows shared evenly: the rows a busiest rank holds lie above
-    the balanced ones, and on a CPU a row costs more there (measured here: 0.28 ms per row below
-    2048 rows, 0.33 above, one expert's activations no longer in cache), so the slope is taken
-    where the model is used. When distributed, the transfers, the shadowing probe and, with
-    `tokens` > 0, a layer step over `tokens` tokens of width-1 experts."""
+    `num_expert` experts per rank (a rank's own, so the working set is the layer's) and `size`
+    rows per rank: the expert curve is probed at no rows, at a quarter of the balanced rows per
+    expert (b = size / num_expert), at b, 4 b and 2 size (a hot expert's rows), each level given
+    to as many of the experts as `size` rows fill (at least one; the rest get none). A model linear
+    in rows cannot follow this CPU: 8 experts of 256 rows and one of 2048 take different times,
+    and a hot expert's rows run faster per row than 8 x 512. When distributed, the transfers, the
+    shadowing probe and, with `tokens` > 0, a layer step over `tokens` tokens of width-1 experts."""
 
     def __init__(self, model: PerfModel, group=None, size: int = 1024, tokens: int = 0, num_expert: int = 1):
         import torch.distributed as dist
@@ -69,9 +73,11 @@ class Calibration:
         from fmoe.experts import GroupedExperts
         self.model, self.group, self.tokens, self.num_expert = model, group, tokens, num_expert
         self.distributed = _distributed(group)
-        self.small, self.large = max(num_expert, size), max(num_expert + 1, 2 * size)
+        self.balanced = max(1, size // num_expert)
+        self.levels = expert_levels(size, num_expert)
         self.experts = GroupedExperts(num_expert, model.d_model, model.d_hidden, "gelu", bias=True)
-        self._probes = {"expert_small": self._expert_step(self.small), "expert_large": self._expert_step(self.large)}
+        self._probes = {f"expert_rows_{rows}": self._expert_step(rows, given)
+                        for rows, given in [(0, num_expert)] + self.levels}
         if not self.distributed:
             return
         from fmoe.distributed.groups import global_rank
@@ -91,10 +97,11 @@ class Calibration:
         """name -> one step of the probe (forward and backward from no gradients, or one transfer)."""
         return dict(self._probes)
 
-    def _expert_step(self, rows: int) -> Callable[[], None]:
-        counts = torch.full((self.num_expert,), rows // self.num_expert)
-        counts[: rows % self.num_expert] += 1
-        x = torch.randn(rows, self.model.d_model, requires_grad=True)
+    def _expert_step(self, rows: int, given: int) -> Callable[[], None]:
+        """The experts' step with `rows` rows for each of the first `given` experts, none for the rest."""
+        counts = torch.zeros(self.num_expert, dtype=torch.long)
+        counts[:given] = rows
+        x = torch.randn(rows * given, self.model.d_model, requires_grad=True)
 
         def step():
             self.experts.zero_grad(set_to_none=True)
@@ -118,7 +125,7 @@ class Calibration:
             layer(x).sum().backward()
         return step
 
-    def _shadow_steps(self, tokens: int = 64) -> tuple:
+    def _shadow_steps(self) -> tuple:
         """The same layer of `model`'s shapes over a few uniformly routed tokens (so the rows cost
         next to nothing) with expert 0 shadowed and without."""
         import torch.distributed as dist
@@ -133,7 +140,7 @@ class Calibration:
                 return [0]
 
         world = dist.get_world_size(self.group)
-        x = torch.randn(tokens, self.model.d_model, requires_grad=True)
+        x = torch.randn(SHADOW_PROBE_TOKENS, self.model.d_model, requires_grad=True)
 
         def step_of(shadow):
             layer = fmoe.FMoETransformerMLP(num_expert=self.num_expert, d_model=self.model.d_model,
@@ -154,25 +161,38 @@ class Calibration:
         missing = sorted(set(self._probes) - set(seconds))
         if missing:
             raise ValueError(f"Calibration.fit: seconds has no time for the probes {missing}")
-        t_small, t_large = seconds["expert_small"], seconds["expert_large"]
-        per_row = max(t_large - t_small, 1e-3 * t_large) / (self.large - self.small)
+        curve = self._expert_curve(seconds)
+        if self.distributed:                # the slowest rank's curve, the same on every rank
+            slowest = torch.tensor([t for _, t in curve], dtype=torch.double)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
+            curve = tuple((rows, t) for (rows, _), t in zip(curve, slowest.tolist()))
+        # FasterMoE's FLOP/s and a time per expert: the line through the curve from the balanced
+        # rows per expert to the next level, where a busiest rank's experts lie.
+        at = [rows for rows, _ in curve].index(self.balanced)
+        (r0, t0), (r1, t1) = curve[at], curve[at + 1]
+        per_row = max(t1 - t0, 1e-3 * t1) / (r1 - r0)
         flops = 3 * 4 * model.alpha * model.d_model ** 2 / per_row
-        per_expert = max(0.0, t_large - per_row * self.large) / self.num_expert
+        per_expert = max(0.0, t0 - per_row * r0)
         if not self.distributed:
-            return replace(model, flops=flops, time_per_expert=per_expert)
+            return replace(model, flops=flops, time_per_expert=per_expert, expert_seconds=curve)
         bandwidth = self.exchange.numel() * self.exchange.element_size() / seconds["all_to_all"]
         pull, push = model.expert_bytes / seconds["pull"], model.expert_bytes / seconds["push"]
         measured = replace(model, flops=flops, net_bandwidth=bandwidth, time_per_expert=per_expert,
-                           pull_bandwidth=pull, push_bandwidth=push)
+                           pull_bandwidth=pull, push_bandwidth=push, expert_seconds=curve)
+        world = dist.get_world_size(self.group)
         overhead = model.overhead_per_row
         if self.tokens > 0:                 # the width-1 layer was probed
-            world = dist.get_world_size(self.group)
             counts_WE = torch.full((world, world), self.tokens / world, dtype=torch.double)
-            tiny = replace(measured, d_hidden=1, time_per_expert=0.0)
+            tiny = replace(measured, d_hidden=1, time_per_expert=0.0, expert_seconds=None)
             overhead = max(0.0, seconds["width_one_layer"] - tiny.layer_time(counts_WE)) / self.tokens
-        # The shadowed step runs one expert more, which the model counts in time_per_expert; never
-        # below the modelled transfers: a noisy difference must not make shadowing look free.
-        shadow = max(seconds["shadow_on"] - seconds["shadow_off"] - per_expert,
+        # What the shadowed step adds beyond what the model already counts (the expert more that
+        # a rank runs, the rows that stay home); never below the modelled transfers: a noisy
+        # difference must not make shadowing look free.
+        counts_WE = torch.full((world, world * self.num_expert), SHADOW_PROBE_TOKENS / (world * self.num_expert),
+                               dtype=torch.double)
+        unshadowed = replace(measured, shadow_time_per_expert=0.0)
+        modelled = unshadowed.layer_time(counts_WE, [0]) - unshadowed.layer_time(counts_WE)
+        shadow = max(seconds["shadow_on"] - seconds["shadow_off"] - modelled,
                      replace(measured, shadow_time_per_expert=None).shadow_cost(1))
         rates = torch.tensor([flops, bandwidth, pull, push], dtype=torch.double)
         dist.all_reduce(rates, op=dist.ReduceOp.MIN, group=self.group)
@@ -180,9 +200,25 @@ class Calibration:
         dist.all_reduce(costs, op=dist.ReduceOp.MAX, group=self.group)
         flops, bandwidth, pull, push = rates.tolist()
         overhead, per_expert, shadow = costs.tolist()
-        return replace(model, flops=flops, net_bandwidth=bandwidth, overhead_per_row=overhead,
+        return replace(measured, flops=flops, net_bandwidth=bandwidth, overhead_per_row=overhead,
                        time_per_expert=per_expert, pull_bandwidth=pull, push_bandwidth=push,
                        shadow_time_per_expert=shadow)
+
+    def _expert_curve(self, seconds: Dict[str, float]) -> tuple:
+        """(rows, seconds) of one expert: an expert with no rows costs the no-rows step's share;
+        at a level, the step less its idle experts' share, over the experts given rows."""
+        idle = seconds["expert_rows_0"] / self.num_expert
+        return ((0, idle),) + tuple((rows, (seconds[f"expert_rows_{rows}"] - (self.num_expert - given) * idle) / given)
+                                    for rows, given in self.levels)
+
+
+def expert_levels(size: int, num_expert: int) -> List[Tuple[int, int]]:
+    """(rows per expert, experts given them) of the expert curve's probes, rows ascending: a
+    quarter of the balanced rows per expert b, b, 4 b (if below 2 size) and 2 size; each level to
+    as many experts as `size` rows fill, at least one."""
+    balanced = max(1, size // num_expert)
+    rows = sorted({max(1, balanced // 4), balanced, min(4 * balanced, 2 * size), 2 * size})
+    return [(r, min(num_expert, max(1, size // r))) for r in rows]
 
 
 def medians(times: Dict[str, List[float]]) -> Dict[str, float]:

@@ -20,12 +20,19 @@ bookkeeping), and `time_per_expert` per expert it runs, its own and the shadowed
 expert's fresh gradient and the part of its GEMMs that does not scale with rows: the intercept
 of an expert's step time against its rows).
 
+A step's GEMMs are not linear in rows: an expert's rows per call set how well its GEMMs use the
+machine (small calls pay their fixed costs, large ones run out of cache). Calibrated with
+`expert_seconds`, the measured forward+backward seconds of one expert at a few row counts, a
+worker's compute is instead the sum, over the experts it runs, of that curve at their rows
+(linear between the measured points and along the end segments beyond them); it then replaces
+compute(B) and `time_per_expert`.
+
 The smart schedule splits the exchange into `steps` chunks and pipelines the three stages of
 each pass (rows out, compute, rows back; forward, then backward with twice the compute): a
 pipeline of stages a, b, c over n chunks takes (a + b + c) / n + (n - 1) * max(a, b, c) / n.
 """
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,6 +51,7 @@ class PerfModel:
     pull_bandwidth: Optional[float] = None   # bytes/s of a shadowed expert's broadcast (None: W_net)
     push_bandwidth: Optional[float] = None   # bytes/s of its gradients' reduction (None: W_net)
     shadow_time_per_expert: Optional[float] = None  # measured seconds a shadowed expert adds (None: modelled)
+    expert_seconds: Optional[Tuple[Tuple[float, float], ...]] = None  # measured (rows, s) of one expert, fwd + bwd
 
     @property
     def alpha(self) -> float:
@@ -76,61 +84,109 @@ class PerfModel:
         push = self.push_bandwidth or self.net_bandwidth
         return num_shadowed * self.expert_bytes * (1 / pull + 1 / push)
 
-    def worker_time(self, rows: float, schedule_steps: int = 1) -> float:
-        """One worker's compute and traffic; pipelined over `schedule_steps` chunks (1: in turn)."""
-        compute, traffic = self.compute_time(rows), self.traffic_time(rows)
+    def worker_time(self, rows, schedule_steps: int = 1, compute=None):
+        """One worker's compute and traffic; pipelined over `schedule_steps` chunks (1: in turn).
+        `compute`: the compute time when known otherwise (the expert curve); else compute(rows).
+        Floats or tensors of the same shape."""
+        compute = self.compute_time(rows) if compute is None else compute
+        traffic = self.traffic_time(rows)
         forward = pipeline_time([traffic / 4, compute / 3, traffic / 4], schedule_steps)
         backward = pipeline_time([traffic / 4, 2 * compute / 3, traffic / 4], schedule_steps)
         return forward + backward
 
+    def expert_time(self, rows: torch.Tensor) -> torch.Tensor:
+        """Seconds of one expert's forward+backward over `rows` rows, from `expert_seconds`."""
+        points = torch.tensor(sorted(self.expert_seconds), dtype=torch.double, device=rows.device)
+        if points.shape[0] < 2:
+            raise ValueError(f"PerfModel.expert_seconds needs at least 2 (rows, seconds) points, got {self.expert_seconds}")
+        rows = rows.double()
+        segment = torch.searchsorted(points[1:-1, 0].contiguous(), rows, right=True)   # 0 .. len - 2
+        (r0, s0), (r1, s1) = points[segment].unbind(-1), points[segment + 1].unbind(-1)
+        return s0 + (rows - r0) * (s1 - s0) / (r1 - r0)
+
     def worker_rows(self, counts_WE: torch.Tensor, shadowed: Sequence[int] = ()) -> torch.Tensor:
         """Rows each worker processes: its experts' rows from everyone, plus its own rows for the
         shadowed experts (which then no longer come to their owner)."""
-        W, E = counts_WE.shape
-        home_E = torch.zeros(E, dtype=torch.bool, device=counts_WE.device)
-        home_E[list(shadowed)] = True
-        return self._rows(counts_WE.double(), home_E[None])[0]
+        return self._rows(counts_WE.double(), self._home(counts_WE, [shadowed]))[0]
 
     @staticmethod
-    def _rows(counts_WE: torch.Tensor, home_RE: torch.Tensor) -> torch.Tensor:
-        """rows_RW for each of R shadow sets (home_RE: expert e computed at home in set r)."""
+    def _home(counts_WE: torch.Tensor, shadow_sets: Sequence[Sequence[int]]) -> torch.Tensor:
+        """home_RE: expert e computed at home (shadowed) in set r."""
+        home_RE = torch.zeros(len(shadow_sets), counts_WE.shape[1], dtype=torch.bool, device=counts_WE.device)
+        for r, shadowed in enumerate(shadow_sets):
+            home_RE[r, list(shadowed)] = True
+        return home_RE
+
+    @staticmethod
+    def _owned(counts_WE: torch.Tensor) -> torch.Tensor:
+        """owned_WE: expert e lives on worker w (experts laid out in equal consecutive blocks)."""
         W, E = counts_WE.shape
         owner_E = torch.arange(E, device=counts_WE.device) // (E // W)
-        owned_WE = owner_E[None] == torch.arange(W, device=counts_WE.device)[:, None]
+        return owner_E[None] == torch.arange(W, device=counts_WE.device)[:, None]
+
+    @classmethod
+    def _rows(cls, counts_WE: torch.Tensor, home_RE: torch.Tensor) -> torch.Tensor:
+        """rows_RW for each of R shadow sets (home_RE: expert e computed at home in set r)."""
+        owned_WE = cls._owned(counts_WE)
         load_E = counts_WE.sum(0)
         remote_RW = (~home_RE).double() * load_E @ owned_WE.double().t()
         local_RW = home_RE.double() @ counts_WE.t()
         return remote_RW + local_RW
 
+    def _compute(self, counts_WE: torch.Tensor, home_RE: torch.Tensor) -> torch.Tensor:
+        """compute_RW: each worker's expert compute in each shadow set. Without the expert curve,
+        compute(rows) plus `time_per_expert` per expert run (its own and the shadowed ones); with
+        it, the curve summed over the experts run at their rows there."""
+        owned_WE = self._owned(counts_WE)
+        if self.expert_seconds is None:
+            runs_RW = owned_WE.sum(1) + home_RE.double() @ (~owned_WE).double().t()
+            return self.compute_time(self._rows(counts_WE, home_RE)) + self.time_per_expert * runs_RW
+        runs_RWE = owned_WE[None] | home_RE[:, None, :]
+        rows_RWE = torch.where(home_RE[:, None, :], counts_WE[None], owned_WE[None] * counts_WE.sum(0))
+        return torch.where(runs_RWE, self.expert_time(rows_RWE), 0.0).sum(-1)
+
+    def _times(self, counts_WE: torch.Tensor, home_RE: torch.Tensor, schedule_steps: int) -> torch.Tensor:
+        """time_R: the slowest worker's time in each shadow set, plus the sets' shadowing costs."""
+        rows_RW = self._rows(counts_WE, home_RE)
+        workers_RW = self.worker_time(rows_RW, schedule_steps, compute=self._compute(counts_WE, home_RE))
+        return workers_RW.max(1).values + self.shadow_cost(1) * home_RE.sum(1)
+
     def layer_time(self, counts_WE: torch.Tensor, shadowed: Sequence[int] = (), schedule_steps: int = 1) -> float:
         """Modelled time of the layer: Lat_imbl with no shadowed experts, Lat_shadow(r) otherwise."""
-        W, E = counts_WE.shape
-        rows_W = self.worker_rows(counts_WE, shadowed)
-        owner_S = [e // (E // W) for e in shadowed]
-        experts_W = [E // W + sum(o != w for o in owner_S) for w in range(W)]
-        slowest = max(self.worker_time(float(b), schedule_steps) + self.time_per_expert * n
-                      for b, n in zip(rows_W, experts_W))
+        counts_WE = counts_WE.double()
         own_rows = float(counts_WE.sum(1).max())
-        return slowest + self.shadow_cost(len(shadowed)) + self.overhead_per_row * own_rows
+        return float(self._times(counts_WE, self._home(counts_WE, [shadowed]), schedule_steps)[0]) \
+            + self.overhead_per_row * own_rows
 
     def choose_shadowed(self, counts_WE: torch.Tensor, schedule_steps: int = 1) -> List[int]:
         """Algorithm 1: hottest experts first, shadowed one by one while the modelled time falls.
 
-        Vectorised over the E + 1 prefixes of the hottest-first order (a worker's time is linear
-        in its rows), so the only host transfer is the chosen ids."""
+        Vectorised over the E + 1 prefixes of the hottest-first order, in chunks of them when the
+        workers x experts grid is large (then a host check per chunk decides whether to go on);
+        otherwise the only host transfer is the chosen ids."""
         counts_WE = counts_WE.double()
-        E = counts_WE.shape[1]
+        W, E = counts_WE.shape
         order_E = torch.argsort(counts_WE.sum(0), descending=True, stable=True)
-        prefix_RE = torch.arange(E + 1, device=counts_WE.device)[:, None] > torch.arange(E, device=counts_WE.device)
-        home_RE = torch.zeros_like(prefix_RE).scatter(1, order_E.expand(E + 1, E), prefix_RE)
-        rows_R = self._rows(counts_WE, home_RE).max(1).values
-        r_R = torch.arange(E + 1, device=counts_WE.device, dtype=torch.double)
-        time_R = rows_R * self.worker_time(1.0, schedule_steps) + r_R * (self.shadow_cost(1) + self.time_per_expert)
+        # The expert curve works on a prefixes x workers x experts grid: bound it.
+        chunk = E + 1 if self.expert_seconds is None else max(2, (1 << 22) // (W * E))
+        times = []
+        for start in range(0, E + 1, chunk):
+            r_R = torch.arange(start, min(E + 1, start + chunk), device=counts_WE.device)
+            prefix_RE = r_R[:, None] > torch.arange(E, device=counts_WE.device)
+            home_RE = torch.zeros_like(prefix_RE).scatter(1, order_E.expand(len(r_R), E), prefix_RE)
+            times.append(self._times(counts_WE, home_RE, schedule_steps))
+            if start + chunk <= E and bool((times[-1][1:] >= times[-1][:-1]).any()):
+                break                                   # the time already stopped falling in this chunk
+        time_R = torch.cat(times)
         falls_R = time_R[1:] < time_R[:-1]
         num_shadowed = torch.cumprod(falls_R.long(), 0).sum()
         return order_E[:num_shadowed].tolist()
 
 
-def pipeline_time(stages: Sequence[float], steps: int) -> float:
-    """Stages run one after another per chunk; chunks overlap (a pipeline over `steps` chunks)."""
-    return sum(stages) / steps + (steps - 1) * max(stages) / steps
+def pipeline_time(stages: Sequence, steps: int):
+    """Stages run one after another per chunk; chunks overlap (a pipeline over `steps` chunks).
+    Floats, or tensors of one shape (elementwise)."""
+    longest = stages[0]
+    for stage in stages[1:]:
+        longest = torch.maximum(longest, stage) if torch.is_tensor(longest) else max(longest, stage)
+    return sum(stages) / steps + (steps - 1) * longest / steps

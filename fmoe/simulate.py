@@ -98,7 +98,7 @@ def plot(rows: List[dict], distributions: List[str], path: Path):
 
 # The constants a calibration measures, as bench_shadow's JSON and compare.json name them.
 CONSTANTS = ("flops", "net_bandwidth", "overhead_per_row", "time_per_expert", "pull_bandwidth", "push_bandwidth",
-             "shadow_time_per_expert")
+             "shadow_time_per_expert", "expert_seconds")
 
 
 def constants_of(model: PerfModel) -> dict:
@@ -112,7 +112,9 @@ def describe(c: dict) -> str:
             f"{c.get('overhead_per_row', 0.0) * 1e6:.2f} us per row, {c.get('time_per_expert', 0.0) * 1e3:.1f} ms per "
             f"expert, pull {gbs(c.get('pull_bandwidth'))}, push {gbs(c.get('push_bandwidth'))}"
             + ("" if c.get("shadow_time_per_expert") is None
-               else f", {c['shadow_time_per_expert'] * 1e3:.1f} ms per shadowed expert"))
+               else f", {c['shadow_time_per_expert'] * 1e3:.1f} ms per shadowed expert")
+            + ("" if c.get("expert_seconds") is None
+               else "; one expert: " + ", ".join(f"{rows:g} rows {t * 1e3:.1f} ms" for rows, t in c["expert_seconds"])))
 
 
 def _calibrate_rank(rank, world, store, d_model, d_hidden, tokens, num_expert, keep_freed_memory, queue):

@@ -255,8 +255,11 @@ def check_calibration_measures_every_constant_alike_on_all_ranks(rank, world):
     from fmoe.calibration import calibrate
     from fmoe.simulate import CONSTANTS
     model = calibrate(PerfModel(64, 256), size=256, reps=3, tokens=128)
-    values = [getattr(model, name) for name in CONSTANTS]
+    values = [getattr(model, name) for name in CONSTANTS if name != "expert_seconds"]
     assert all(v is not None and math.isfinite(v) and v >= 0 for v in values), dict(zip(CONSTANTS, values))
+    rows, seconds = zip(*model.expert_seconds)
+    assert rows[0] == 0 and list(rows) == sorted(set(rows)) and all(math.isfinite(t) and t > 0 for t in seconds)
+    values.append(model.expert_seconds)
     assert model.flops > 0 and model.net_bandwidth > 0 and model.pull_bandwidth > 0 and model.push_bandwidth > 0
     everyone = [None] * world
     dist.all_gather_object(everyone, values)

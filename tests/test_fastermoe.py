@@ -48,17 +48,41 @@ def test_probes_take_turns_after_their_warmup():
     assert more is times and len(times["a"]) == 5
 
 
-def test_calibration_fit_recovers_the_constants_the_expert_steps_were_made_of():
-    from fmoe.calibration import Calibration
+def test_expert_curve_sums_each_workers_experts_at_their_rows_by_hand():
+    # One expert: 1 s with no rows, +0.25 s a row up to 4 rows, +1 s a row from 4 to 8 and beyond.
+    m = PerfModel(d_model=4, d_hidden=8, net_bandwidth=float("inf"), shadow_time_per_expert=0.5,
+                  expert_seconds=((0, 1.0), (4, 2.0), (8, 6.0)))
+    assert m.expert_time(torch.tensor([0, 1, 4, 5, 8, 10])).tolist() == [1.0, 1.25, 2.0, 3.0, 6.0, 8.0]
+    counts = torch.tensor([[3, 1, 0, 0], [5, 0, 1, 2]])
+    # Off: w0 runs expert 0 over 8 rows and expert 1 over 1; w1 runs 2 and 3 over 1 and 2.
+    assert m.layer_time(counts) == pytest.approx(max(6.0 + 1.25, 1.25 + 1.5))
+    # Expert 0 shadowed: w0 keeps its 3 rows of it, w1 runs it too over its own 5 rows.
+    assert m.layer_time(counts, [0]) == pytest.approx(max(1.75 + 1.25, 3.0 + 1.25 + 1.5) + 0.5)
+    assert m.choose_shadowed(counts) == [0]
+    assert replace(m, shadow_time_per_expert=1.5).choose_shadowed(counts) == []     # no longer falls
+
+
+def test_calibration_fit_recovers_the_expert_curve_the_steps_were_made_of():
+    from fmoe.calibration import Calibration, expert_levels
     calibration = Calibration(PerfModel(64, 256), size=256, num_expert=4)
-    truth = PerfModel(64, 256, flops=2.5e10, time_per_expert=3e-4)
-    seconds = {probe: truth.compute_time(rows) + 4 * truth.time_per_expert
-               for probe, rows in (("expert_small", calibration.small), ("expert_large", calibration.large))}
+    assert calibration.levels == expert_levels(256, 4) == [(16, 4), (64, 4), (256, 1), (512, 1)]
+
+    def one_expert(rows):                       # convex: a row costs more the more rows an expert holds
+        return 3e-4 + 2e-6 * rows + 1e-9 * rows ** 2
+    seconds = {"expert_rows_0": 4 * one_expert(0)}
+    seconds.update({f"expert_rows_{rows}": given * one_expert(rows) + (4 - given) * one_expert(0)
+                    for rows, given in calibration.levels})
     fitted = calibration.fit(seconds)
-    assert fitted.flops == pytest.approx(truth.flops) and fitted.time_per_expert == pytest.approx(3e-4)
-    assert set(calibration.probes()) == {"expert_small", "expert_large"}      # one process: no transfers
-    with pytest.raises(ValueError, match="expert_large"):
-        calibration.fit({"expert_small": 1.0})
+    assert [r for r, _ in fitted.expert_seconds] == [0, 16, 64, 256, 512]
+    assert [t for _, t in fitted.expert_seconds] == pytest.approx([one_expert(r) for r in (0, 16, 64, 256, 512)])
+    # FasterMoE's constants: the line from the balanced 64 rows per expert to the next level.
+    per_row = (one_expert(256) - one_expert(64)) / 192
+    assert fitted.flops == pytest.approx(3 * 4 * 4 * 64 ** 2 / per_row)
+    assert fitted.time_per_expert == pytest.approx(one_expert(64) - 64 * per_row)
+    assert set(calibration.probes()) == {"expert_rows_0", "expert_rows_16", "expert_rows_64", "expert_rows_256",
+                                         "expert_rows_512"}      # one process: no transfers
+    with pytest.raises(ValueError, match="expert_rows_512"):
+        calibration.fit({"expert_rows_0": 1.0})
 
 
 def test_calibration_on_two_ranks_measures_every_constant():
