@@ -4,9 +4,9 @@ The calibration is a set of *probes*, small steps each timed alone: the layer's 
 at a few rows per expert (the expert curve: how one expert's time grows with its rows, from no
 rows up past the balanced ones; its slope around the balanced rows also gives FasterMoE's FLOP/s
 and a time per expert), an all-to-all, the broadcast and the push of one expert's parameters, a
-layer step of width-1 experts (the fixed time per routed row) and a small layer step with one
-expert shadowed and without (what shadowing one expert adds). `Calibration.fit` turns the probes'
-median seconds into a PerfModel.
+layer step of width-1 experts (the fixed time per routed row) and a layer step with a few
+experts shadowed and without (what shadowing an expert adds while the ranks compute).
+`Calibration.fit` turns the probes' median seconds into a PerfModel.
 
 `calibrate` times the probes taking turns and fits them. A benchmark can instead time the probes
 in turns with its own steps (`benchmarks/bench_shadow.py` does) and fit them afterwards, so that
@@ -24,7 +24,7 @@ import torch
 
 from fmoe.perfmodel import PerfModel
 
-SHADOW_PROBE_TOKENS = 64      # tokens per rank of the shadowing probe's layer: the rows cost next to nothing
+SHADOW_PROBE_EXPERTS = 4      # experts it shadows (at most a rank's): their sum stands well above the noise
 
 
 def _distributed(group) -> bool:
@@ -61,7 +61,7 @@ class Calibration:
 
     `num_expert` experts per rank (a rank's own, so the working set is the layer's) and `size`
     rows per rank: the expert curve is probed at no rows, at a quarter of the balanced rows per
-    expert (b = size / num_expert), at b, 4 b and 2 size (a hot expert's rows), each level given
+    expert (b = size / num_expert), at b, 4 b, size and 2 size (a hot expert's rows), each level given
     to as many of the experts as `size` rows fill (at least one; the rest get none). A model linear
     in rows cannot follow this CPU: 8 experts of 256 rows and one of 2048 take different times,
     and a hot expert's rows run faster per row than 8 x 512. When distributed, the transfers, the
@@ -72,8 +72,9 @@ class Calibration:
 
         from fmoe.experts import GroupedExperts
         self.model, self.group, self.tokens, self.num_expert = model, group, tokens, num_expert
+        self.shadow_probe_experts = min(SHADOW_PROBE_EXPERTS, num_expert)
         self.distributed = _distributed(group)
-        self.balanced = max(1, size // num_expert)
+        self.size, self.balanced = size, max(1, size // num_expert)
         self.levels = expert_levels(size, num_expert)
         self.experts = GroupedExperts(num_expert, model.d_model, model.d_hidden, "gelu", bias=True)
         self._probes = {f"expert_rows_{rows}": self._expert_step(rows, given)
@@ -126,26 +127,30 @@ class Calibration:
         return step
 
     def _shadow_steps(self) -> tuple:
-        """The same layer of `model`'s shapes over a few uniformly routed tokens (so the rows cost
-        next to nothing) with expert 0 shadowed and without."""
+        """The layer of `model`'s shapes over `size` tokens per rank with rank 0's first
+        `shadow_probe_experts` experts shadowed and without. The tokens go round robin to the other
+        experts: shadowing then moves no rows, and the difference is what shadowing itself costs
+        while the ranks compute (the transfers, their copies, the shadowed copies' gradients)."""
         import torch.distributed as dist
 
         import fmoe
         from fmoe.distributed.shadow import ShadowPolicy
         from fmoe.gates.round_robin import RoundRobinGate
+        shadowed = list(range(self.shadow_probe_experts))
 
         class ShadowFirst(ShadowPolicy):
             def choose(self, counts_E, world_size, group=None):
                 self.gather_counts(counts_E, world_size, group)     # the collective of real use
-                return [0]
+                return shadowed
 
         world = dist.get_world_size(self.group)
-        x = torch.randn(SHADOW_PROBE_TOKENS, self.model.d_model, requires_grad=True)
+        x = torch.randn(self.size, self.model.d_model, requires_grad=True)
 
         def step_of(shadow):
             layer = fmoe.FMoETransformerMLP(num_expert=self.num_expert, d_model=self.model.d_model,
                                             d_hidden=self.model.d_hidden, top_k=1, world_size=world,
-                                            moe_group=self.group, gate=RoundRobinGate, shadow=shadow)
+                                            moe_group=self.group, gate=RoundRobinGate,
+                                            gate_kwargs={"first_expert": len(shadowed)}, shadow=shadow)
 
             def step():
                 layer.zero_grad(set_to_none=True)
@@ -185,15 +190,19 @@ class Calibration:
             counts_WE = torch.full((world, world), self.tokens / world, dtype=torch.double)
             tiny = replace(measured, d_hidden=1, time_per_expert=0.0, expert_seconds=None)
             overhead = max(0.0, seconds["width_one_layer"] - tiny.layer_time(counts_WE)) / self.tokens
-        # What the shadowed step adds beyond what the model already counts (the expert more that
-        # a rank runs, the rows that stay home); never below the modelled transfers: a noisy
-        # difference must not make shadowing look free.
-        counts_WE = torch.full((world, world * self.num_expert), SHADOW_PROBE_TOKENS / (world * self.num_expert),
+        # What a shadowed expert adds beyond what the model already counts (the idle copy a rank
+        # more runs), measured while the ranks compute: the transfers' and copies' time is taken
+        # from the compute where they share the cores or the memory. Never below the modelled
+        # transfers: a noisy difference must not make shadowing look free.
+        k = self.shadow_probe_experts
+        counts_WE = torch.full((world, world * self.num_expert), self.size / (world * self.num_expert - k),
                                dtype=torch.double)
+        counts_WE[:, :k] = 0
+        shadowed = list(range(k))
         unshadowed = replace(measured, shadow_time_per_expert=0.0)
-        modelled = unshadowed.layer_time(counts_WE, [0]) - unshadowed.layer_time(counts_WE)
-        shadow = max(seconds["shadow_on"] - seconds["shadow_off"] - modelled,
-                     replace(measured, shadow_time_per_expert=None).shadow_cost(1))
+        modelled = unshadowed.layer_time(counts_WE, shadowed) - unshadowed.layer_time(counts_WE)
+        added = seconds["shadow_on"] - seconds["shadow_off"]
+        shadow = max((added - modelled) / k, replace(measured, shadow_time_per_expert=None).shadow_cost(1))
         rates = torch.tensor([flops, bandwidth, pull, push], dtype=torch.double)
         dist.all_reduce(rates, op=dist.ReduceOp.MIN, group=self.group)
         costs = torch.tensor([overhead, per_expert, shadow], dtype=torch.double)
@@ -214,10 +223,10 @@ class Calibration:
 
 def expert_levels(size: int, num_expert: int) -> List[Tuple[int, int]]:
     """(rows per expert, experts given them) of the expert curve's probes, rows ascending: a
-    quarter of the balanced rows per expert b, b, 4 b (if below 2 size) and 2 size; each level to
-    as many experts as `size` rows fill, at least one."""
+    quarter of the balanced rows per expert b, b, 4 b (if below 2 size), size (an expert holding a
+    rank's whole batch) and 2 size; each level to as many experts as `size` rows fill, at least one."""
     balanced = max(1, size // num_expert)
-    rows = sorted({max(1, balanced // 4), balanced, min(4 * balanced, 2 * size), 2 * size})
+    rows = sorted({max(1, balanced // 4), balanced, min(4 * balanced, 2 * size), size, 2 * size})
     return [(r, min(num_expert, max(1, size // r))) for r in rows]
 
 
