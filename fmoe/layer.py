@@ -318,7 +318,7 @@ class FMoE(nn.Module):
             y_sent = exchange.combine(y_RD, plan)
         if pull is None:
             return y_sent
-        return pull.forward(x_home, y_sent)
+        return torch.cat([y_sent, pull.forward(x_home)])
 
     def record(self, routing, plan):
         self.aux_loss = routing.aux_loss

@@ -3,7 +3,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from fmoe.distributed.exchange import ExchangePlan, build_exchange_plan
 from fmoe.distributed.shadow import ShadowPlan
@@ -18,9 +17,8 @@ class RoutingPlan:
     exactly T*K rows and nothing is read back to the host: the rows of dropped slots (expert -1)
     come last, past every expert's segment, the GEMMs leave them zero and `row_of_slot_TK` marks
     those slots -1 so the combine skips them. Across ranks only kept slots get rows (the exchange
-    needs the real number on the host anyway). With shadowed experts owned by other ranks, their
-    rows come after the rows that travel, in shadow order (a rank's rows for its own shadowed
-    experts travel to itself, as without shadowing).
+    needs the real number on the host anyway). With shadowed experts, their rows come after the
+    rows that travel, in shadow order.
     """
 
     num_tokens: int
@@ -31,7 +29,7 @@ class RoutingPlan:
     row_of_slot_TK: torch.Tensor    # row of each slot, -1 where the slot was dropped
     counts_E: torch.Tensor          # rows per expert (global ids)
     exchange: Optional[ExchangePlan] = None   # splits and order across ranks; None on one rank
-    shadow: Optional[ShadowPlan] = None       # the shadowed experts; those computed here with pulled parameters
+    shadow: Optional[ShadowPlan] = None       # experts computed at home with pulled parameters
 
     @property
     def local_counts_e(self) -> torch.Tensor:
@@ -63,11 +61,9 @@ class RoutingPlan:
                 raise ValueError(f"{type(shadow_policy).__name__}.choose returned {list(experts_S)}: expected "
                                  f"distinct expert ids in [0, {num_experts})")
             if experts_S:
-                me, per_rank = dist.get_rank(group), num_experts // world_size
-                experts_H = [e for e in experts_S if e // per_rank != me]
-                home = torch.tensor(experts_H, dtype=torch.long, device=idx_S.device)
-                key_of_E[home] = num_experts + torch.arange(len(experts_H), device=idx_S.device)
-                shadow = ShadowPlan(experts_S, experts_H, counts_E[home])
+                shadowed = torch.tensor(experts_S, device=idx_S.device)
+                key_of_E[shadowed] = num_experts + torch.arange(len(experts_S), device=idx_S.device)
+                shadow = ShadowPlan(experts_S, counts_E[shadowed])
         key_S = torch.where(live_S, key_of_E[idx_S.clamp_min(0)], torch.full_like(idx_S, 2 * num_experts))
         order_S = torch.sort(key_S, stable=True).indices
         num_rows = idx_S.numel() if world_size == 1 else int(counts_E.sum())
@@ -78,7 +74,7 @@ class RoutingPlan:
         if world_size > 1:
             sent_counts_E = counts_E.clone()
             if shadow is not None:
-                sent_counts_E[torch.tensor(shadow.experts_H, dtype=torch.long, device=idx_S.device)] = 0
+                sent_counts_E[torch.tensor(shadow.experts_S, device=idx_S.device)] = 0
             exchange = build_exchange_plan(sent_counts_E, world_size, group)
         return cls(
             num_tokens=T,

@@ -1,11 +1,9 @@
 """Dynamic shadowing of hot experts (FasterMoE), parameter-server style.
 
-The owner rank of an expert is its server. When the policy judges experts hot, every other rank
+The owner rank of an expert is its server. When the policy judges experts hot, every rank
 *pulls* their parameters (a broadcast from the owner), computes its own rows for them at home,
 and in the backward *pushes* the gradients back (a reduction to the owner), whose optimizer
-then applies them as if the rows had travelled. The owner computes its own rows with its own
-parameters, as without shadowing, and adds the pushed gradients to its own. Outputs and
-gradients equal the unshadowed layer.
+then applies them as if the rows had travelled. Outputs and gradients equal the unshadowed layer.
 
 Each owner sends its shadowed experts as one flat buffer (one collective per owner, not per
 tensor). With `overlap` the pull is started before the token dispatch and waited for only when
@@ -38,13 +36,12 @@ def shadow_enabled_by_env() -> bool:
 
 @dataclass
 class ShadowPlan:
-    experts_S: List[int]            # global ids of the shadowed experts (the same on every rank)
-    experts_H: List[int]            # those this rank computes at home (it does not own them), in row order
-    counts_H: torch.Tensor          # this rank's rows for each of them
+    experts_S: List[int]            # global ids of the shadowed experts, in the order rows are laid out
+    counts_S: torch.Tensor          # this rank's rows for each of them
 
     @property
     def num_rows(self) -> int:
-        return int(self.counts_H.sum()) if self.experts_H else 0
+        return int(self.counts_S.sum()) if self.experts_S else 0
 
 
 class ShadowPolicy:
@@ -120,36 +117,27 @@ def run_with(experts: nn.Module, num_expert: int, x_SD: torch.Tensor, counts_S: 
 # ---- pull and push ----
 
 class GradientPush:
-    """Gradient buffers on their way to their owners (ranks of `group`), summed there into
-    `grads[i]` of the owner of buffer i.
+    """Gradient buffers on their way to their owners (ranks of `group`), summed there.
 
-    The owner's own entry may be None: it adds nothing of its own (its rows ran on its own
-    parameters), and its entry becomes the sum of the others'. On gloo, whose reduce runs at about
-    half the speed of its sends (measured here: 32 MiB in 37 ms against 17 ms), every other rank
-    sends its buffer to the owner, which adds them in rank order at `wait`; elsewhere (NCCL) one
-    reduce per owner, to which an owner without an entry gives zeros (`sizes[i]` elements of
-    `template`'s dtype and device)."""
+    On gloo, whose reduce runs at about half the speed of its sends (measured here: 32 MiB in 37 ms
+    against 17 ms), every other rank sends its buffer to the owner, which adds them to its own in
+    rank order at `wait`; elsewhere (NCCL) one reduce per owner."""
 
-    def __init__(self, grads: List[Optional[torch.Tensor]], owners: List[int], group=None,
-                 sizes: Optional[List[int]] = None, template: Optional[torch.Tensor] = None):
+    def __init__(self, grads: List[torch.Tensor], owners: List[int], group=None):
         self.grads, self.owners, self.group = grads, owners, group
         self.works, self.received = [], []
         if dist.get_backend(group) != "gloo":
-            for i, o in enumerate(owners):
-                if grads[i] is None:
-                    grads[i] = torch.zeros(sizes[i], dtype=template.dtype, device=template.device)
             self.works = [dist.reduce(g, dst=global_rank(group, o), group=group, async_op=True)
                           for g, o in zip(grads, owners)]
             return
         me, world = dist.get_rank(group), dist.get_world_size(group)
-        for i, (g, o) in enumerate(zip(grads, owners)):
+        for g, o in zip(grads, owners):
             if o != me:
                 self.works.append(dist.isend(g, dst=global_rank(group, o), group=group))
                 continue
             for r in range(world):
                 if r != me:
-                    self.received.append(torch.empty(sizes[i], dtype=template.dtype, device=template.device)
-                                         if g is None else torch.empty_like(g))
+                    self.received.append(torch.empty_like(g))
                     self.works.append(dist.irecv(self.received[-1], src=global_rank(group, r), group=group))
 
     def wait(self, what: str = "gradient push"):
@@ -157,11 +145,9 @@ class GradientPush:
             timeout.wait(w, f"{timeout.current_layer()}: {what}")
         self.works = []
         if self.received:
-            at = self.owners.index(dist.get_rank(self.group))
-            if self.grads[at] is None:
-                self.grads[at] = self.received.pop(0)
+            mine = self.grads[self.owners.index(dist.get_rank(self.group))]
             for g in self.received:
-                self.grads[at].add_(g)
+                mine.add_(g)
             self.received = []
 
 
@@ -176,8 +162,6 @@ class _Link:
         self.push: Optional[GradientPush] = None
         self.grads: List[torch.Tensor] = []
         self.owned_sizes: List[int] = []        # numel of each tensor this rank owns, in buffer order
-        self.sizes: List[int] = []              # numel of each owner's buffer
-        self.template: Optional[torch.Tensor] = None    # a parameter: the buffers' dtype and device
         self.fold = False                       # the owner's pushed gradients go through _AddPushed
 
     def wait(self):
@@ -241,44 +225,28 @@ class _AddPushed(torch.autograd.Function):
 
 
 class _PullDone(torch.autograd.Function):
-    """Waits for the broadcasts and returns a handle and the pulled buffers; its backward starts
-    the reduction. The handle joins the layer's output even where no pulled buffer is used (an
-    owner computes its own rows with its own parameters), so the backward runs on every rank."""
+    """Waits for the broadcasts and returns the pulled buffers; its backward starts the reduction."""
 
     @staticmethod
     def forward(ctx, link: _Link, token):
         ctx.link = link
-        ctx.set_materialize_grads(False)        # an owner's own buffer gets no gradient: None, not zeros
         link.wait()
         # The outputs become autograd outputs of this node, whose ctx holds the link: were the link
         # still to hold them, link -> tensor -> node -> ctx -> link would be a cycle through C++
         # that Python's gc cannot break, and every step would keep its layer's parameters alive.
         buffers, link.buffers = tuple(link.buffers), []
-        return (token.new_empty(0), *buffers)
+        return buffers
 
     @staticmethod
-    def backward(ctx, _handle, *grads):
+    def backward(ctx, *grads):
         link = ctx.link
         # Each gradient is the fresh one the split of its buffer made (a cat), used by no one
         # else: the reduction may work in it in place.
-        link.grads = [None if g is None else g.contiguous() for g in grads]
-        link.push = GradientPush(link.grads, link.owners, link.group, link.sizes, link.template)
+        link.grads = [g.contiguous() for g in grads]
+        link.push = GradientPush(link.grads, link.owners, link.group)
         if not link.overlap:
             link.wait()
-        return None, link.template.new_empty(0)
-
-
-class _Join(torch.autograd.Function):
-    """Identity on the rows, which it ties to the pull's handle: on a rank that computes nothing
-    at home, the pull's backward (and so the push) still runs."""
-
-    @staticmethod
-    def forward(ctx, handle, y):
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.new_empty(0), grad
+        return None, grads[0].new_empty(0)
 
 
 class ShadowPull:
@@ -298,7 +266,6 @@ class ShadowPull:
         link.owners = sorted(set(owner_S))
         templates = [expert_tensors(experts, num_expert, i) for i in self.locals_S]
         self.names = list(templates[0]) if templates else []
-        link.template = templates[0][self.names[0]].detach()
         self.slots = [[s for s, o in enumerate(owner_S) if o == owner] for owner in link.owners]
         # An owner's buffer holds its shadowed experts' tensors in `layout` order. Stacked experts
         # go name by name (all slots' w1, then all slots' b1, ...), so each stacked [S, ...]
@@ -308,7 +275,6 @@ class ShadowPull:
         owned = []
         for owner, layout in zip(link.owners, self.layouts):
             size = sum(templates[s][n].numel() for s, n in layout)
-            link.sizes.append(size)
             if owner == me:
                 owned = [templates[s][n] for s, n in layout]
                 link.owned_sizes = [v.numel() for v in owned]
@@ -319,7 +285,6 @@ class ShadowPull:
                 buf = templates[0][self.names[0]].new_empty(size)
             link.buffers.append(buf)
         self.templates = templates
-        self.home_owners = [o for o in link.owners if o != me]      # the buffers this rank computes with
         link.works = [dist.broadcast(b, src=global_rank(group, o), group=group, async_op=True)
                       for b, o in zip(link.buffers, link.owners)]
         if not overlap:
@@ -343,34 +308,22 @@ class ShadowPull:
             return [(s, n) for s in slots for n in expert_tensors(self.experts, self.num_expert, self.locals_S[s])]
         return [(s, n) for n in self.names for s in slots]
 
-    def forward(self, x_HD: torch.Tensor, y_sent: torch.Tensor) -> torch.Tensor:
-        """The rows that travelled (`y_sent`, computed) followed by this rank's rows for the
-        shadowed experts it does not own, computed at home with the pulled parameters."""
-        handle, *buffers = _PullDone.apply(self.link, self.token)
-        if not self.home_owners:
-            return _Join.apply(handle, y_sent)
-        owners = self.link.owners
-        home = [(buffers[owners.index(o)], self.slots[owners.index(o)], self.layouts[owners.index(o)])
-                for o in self.home_owners]
-        # Slots in row order: experts_H is experts_S without this rank's own.
-        home_S = sorted(s for _, slots, _ in home for s in slots)
-        locals_H = [self.locals_S[s] for s in home_S]
-        if len(home) == 1 and not is_module_list(self.experts, self.num_expert):
+    def forward(self, x_SD: torch.Tensor) -> torch.Tensor:
+        """This rank's rows for the shadowed experts, computed at home with the pulled parameters."""
+        buffers = _PullDone.apply(self.link, self.token)
+        if len(buffers) == 1 and not is_module_list(self.experts, self.num_expert):
             # One owner: its buffer holds every stacked parameter whole, name by name; no copy.
-            buf, slots, _ = home[0]
+            S = len(self.locals_S)
             ones = [self.templates[0][n] for n in self.names]
-            pieces = buf.split([len(slots) * t.numel() for t in ones])
-            stacked = {n: piece.view(len(slots), *t.shape) for n, piece, t in zip(self.names, pieces, ones)}
-            y = run_with(self.experts, self.num_expert, x_HD, self.plan.counts_H, locals_H, [], stacked)
-        else:
-            tensors = {}
-            for buf, _, layout in home:
-                pieces = buf.split([self.templates[s][n].numel() for s, n in layout])
-                for (s, n), piece in zip(layout, pieces):
-                    tensors.setdefault(s, {})[n] = piece.view(self.templates[s][n].shape)
-            y = run_with(self.experts, self.num_expert, x_HD, self.plan.counts_H, locals_H,
-                         [tensors[s] for s in home_S])
-        return torch.cat([y_sent, y])
+            pieces = buffers[0].split([S * t.numel() for t in ones])
+            stacked = {n: piece.view(S, *t.shape) for n, piece, t in zip(self.names, pieces, ones)}
+            return run_with(self.experts, self.num_expert, x_SD, self.plan.counts_S, self.locals_S, [], stacked)
+        tensors_S: List[Dict[str, torch.Tensor]] = [{} for _ in self.locals_S]
+        for buf, layout in zip(buffers, self.layouts):
+            pieces = buf.split([self.templates[s][n].numel() for s, n in layout])
+            for (s, n), piece in zip(layout, pieces):
+                tensors_S[s][n] = piece.view(self.templates[s][n].shape)
+        return run_with(self.experts, self.num_expert, x_SD, self.plan.counts_S, self.locals_S, tensors_S)
 
 
 def make_shadow_policy(shadow, d_model: int, experts: nn.Module, num_expert: int,
