@@ -15,6 +15,7 @@ a drift of a shared machine's speed hits the constants and the steps they predic
 Every probe is timed the same way: barrier, step, barrier (`time_in_turns`); a probe's collectives
 run in the same order on every rank, so all ranks must time the same probes in the same order.
 """
+import random
 import statistics
 import time
 from dataclasses import replace
@@ -36,7 +37,10 @@ def time_in_turns(steps: Dict[str, Callable[[], None]], reps: int, warmup: int =
                   times: Dict[str, List[float]] = None) -> Dict[str, List[float]]:
     """Seconds of each step's `reps` timed runs, the steps taking turns run by run (a change in a
     shared machine's speed then hits every step alike), each between two barriers when
-    distributed (so a step takes as long as its slowest rank). Appends to `times` if given."""
+    distributed (so a step takes as long as its slowest rank). Each round runs the steps in its
+    own order (shuffled by the round's number, so the same on every rank): a step that leaves
+    the allocator or the caches in some state does not always hand it to the same neighbour.
+    Appends to `times` if given."""
     import torch.distributed as dist
     distributed = _distributed(group)
     times = {} if times is None else times
@@ -44,8 +48,10 @@ def time_in_turns(steps: Dict[str, Callable[[], None]], reps: int, warmup: int =
         times.setdefault(name, [])
         for _ in range(warmup):
             step()
-    for _ in range(reps):
-        for name, step in steps.items():
+    for round_ in range(reps):
+        order = list(steps.items())
+        random.Random(round_).shuffle(order)
+        for name, step in order:
             if distributed:
                 dist.barrier(group=group)
             start = time.perf_counter()

@@ -41,11 +41,15 @@ def test_fixed_costs_and_separate_pull_push_bandwidths_by_hand():
 def test_probes_take_turns_after_their_warmup():
     from fmoe.calibration import time_in_turns
     order = []
-    times = time_in_turns({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, reps=3, warmup=1)
-    assert order == ["a", "b"] + ["a", "b"] * 3
-    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
+    steps = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    times = time_in_turns(steps, reps=4, warmup=1)
+    # One warmup each in order, then rounds of every step once, in orders that differ.
+    assert order[:3] == list("abc")
+    rounds = ["".join(order[i:i + 3]) for i in range(3, 15, 3)]
+    assert all(sorted(r) == list("abc") for r in rounds) and len(set(rounds)) > 1, rounds
+    assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "c": 4}
     more = time_in_turns({"a": lambda: None}, reps=2, warmup=0, times=times)    # a later round appends
-    assert more is times and len(times["a"]) == 5
+    assert more is times and len(times["a"]) == 6
 
 
 def test_expert_curve_sums_each_workers_experts_at_their_rows_by_hand():
