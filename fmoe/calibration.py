@@ -78,7 +78,7 @@ class Calibration:
 
         from fmoe.experts import GroupedExperts
         self.model, self.group, self.tokens, self.num_expert = model, group, tokens, num_expert
-        self.shadow_probe_experts = min(SHADOW_PROBE_EXPERTS, num_expert)
+        self.probe_shadowed = list(range(min(SHADOW_PROBE_EXPERTS, num_expert)))   # rank 0's first experts
         self.distributed = _distributed(group)
         self.size, self.balanced = size, max(1, size // num_expert)
         self.levels = expert_levels(size, num_expert)
@@ -134,7 +134,7 @@ class Calibration:
 
     def _shadow_steps(self) -> tuple:
         """The layer of `model`'s shapes over `size` tokens per rank with rank 0's first
-        `shadow_probe_experts` experts shadowed and without. The tokens go round robin to the other
+        experts (`probe_shadowed`) shadowed and without. The tokens go round robin to the other
         experts: shadowing then moves no rows, and the difference is what shadowing itself costs
         while the ranks compute (the transfers, their copies, the shadowed copies' gradients)."""
         import torch.distributed as dist
@@ -142,7 +142,7 @@ class Calibration:
         import fmoe
         from fmoe.distributed.shadow import ShadowPolicy
         from fmoe.gates.round_robin import RoundRobinGate
-        shadowed = list(range(self.shadow_probe_experts))
+        shadowed = self.probe_shadowed
 
         class ShadowFirst(ShadowPolicy):
             def choose(self, counts_E, world_size, group=None):
@@ -196,17 +196,16 @@ class Calibration:
             counts_WE = torch.full((world, world), self.tokens / world, dtype=torch.double)
             tiny = replace(measured, d_hidden=1, time_per_expert=0.0, expert_seconds=None)
             overhead = max(0.0, seconds["width_one_layer"] - tiny.layer_time(counts_WE)) / self.tokens
-        # What a shadowed expert adds beyond what the model already counts (the idle copy a rank
-        # more runs), measured while the ranks compute: the transfers' and copies' time is taken
+        # What a shadowed expert adds beyond what the model already counts (the idle copies the
+        # other ranks then run), measured while the ranks compute: the transfers' and copies' time is taken
         # from the compute where they share the cores or the memory. Never below the modelled
         # transfers: a noisy difference must not make shadowing look free.
-        k = self.shadow_probe_experts
+        k = len(self.probe_shadowed)
         counts_WE = torch.full((world, world * self.num_expert), self.size / (world * self.num_expert - k),
                                dtype=torch.double)
-        counts_WE[:, :k] = 0
-        shadowed = list(range(k))
+        counts_WE[:, :k] = 0                # the probe's routing: none to the shadowed experts
         unshadowed = replace(measured, shadow_time_per_expert=0.0)
-        modelled = unshadowed.layer_time(counts_WE, shadowed) - unshadowed.layer_time(counts_WE)
+        modelled = unshadowed.layer_time(counts_WE, self.probe_shadowed) - unshadowed.layer_time(counts_WE)
         added = seconds["shadow_on"] - seconds["shadow_off"]
         shadow = max((added - modelled) / k, replace(measured, shadow_time_per_expert=None).shadow_cost(1))
         rates = torch.tensor([flops, bandwidth, pull, push], dtype=torch.double)
