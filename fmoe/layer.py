@@ -11,7 +11,7 @@ from fmoe import kernels
 from fmoe.distributed import exchange
 from fmoe.distributed.check import check_expert_parallel_config
 from fmoe.distributed.schedule import group_size_from_env, schedule_enabled_by_env, scheduled_experts
-from fmoe.distributed.shadow import ShadowPull, make_shadow_policy
+from fmoe.distributed.shadow import BufferPool, ShadowPull, make_shadow_policy
 from fmoe.distributed.slicing import gather_rows, slice_rows
 from fmoe.distributed.timeout import set_current_layer
 from fmoe.experts import GroupedExperts, ModuleListExperts
@@ -146,6 +146,7 @@ class FMoE(nn.Module):
                                                 schedule_group_size if schedule_group_size is not None
                                                 else group_size_from_env())
         self.shadow_policy = make_shadow_policy(shadow, d_model, self.experts, num_expert, self.world_size)
+        self.shadow_buffers = BufferPool()     # shadowing's flat buffers, kept from step to step
         self.gate_hook = gate_hook
         self.aux_loss = None
         self.last_counts_E = None
@@ -309,7 +310,7 @@ class FMoE(nn.Module):
         # The pull starts first, so it travels while the other rows are dispatched and computed.
         pull = None if plan.shadow is None else ShadowPull(self.experts, plan.shadow, self.num_expert,
                                                            self.moe_group, self.shadow_policy.overlap,
-                                                           fold=not self.schedule)
+                                                           fold=not self.schedule, pool=self.shadow_buffers)
         if self.schedule:
             y_sent = scheduled_experts(self.experts, x_sent, plan.exchange, self.schedule_group_size)
         else:

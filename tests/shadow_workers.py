@@ -264,3 +264,48 @@ def check_calibration_measures_every_constant_alike_on_all_ranks(rank, world):
     everyone = [None] * world
     dist.all_gather_object(everyone, values)
     assert all(v == everyone[0] for v in everyone), everyone
+
+
+def check_kept_buffers_are_reused_and_never_shared(rank, world):
+    """The layer's pool over several steps: shadowing with kept buffers equals the plain layer step
+    after step, including two micro-batches whose forwards both run before either backward (the
+    second must not get the first's buffers, still saved for its backward), and a later step reuses
+    the very buffers an earlier one used."""
+    E = 2 * world
+    layers = []
+    for shadow in (False, True):
+        for module_list in (False, True):
+            expert = TinyExpert if module_list else None
+            layer = build(world, 2, 2, [1, 0, E - 1], expert=expert,
+                          shadow=FixedShadow([1, 0, E - 1]) if shadow else False)
+            torch.manual_seed(10 + rank)
+            with torch.no_grad():
+                for p in layer.experts.parameters():
+                    p.copy_(torch.randn_like(p) * 0.3)
+            layers.append(layer)
+    seen = {}
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        xs = [torch.randn(10 + rank, D, generator=g) for _ in range(2)]
+        for plain, shadowed in ((layers[0], layers[2]), (layers[1], layers[3])):
+            results = []
+            for layer in (plain, shadowed):
+                layer.zero_grad(set_to_none=True)
+                outs = [layer(x) for x in xs]                   # both forwards, then both backwards
+                for out in outs:
+                    (out * out).sum().backward()
+                results.append(([o.detach() for o in outs], {n: p.grad.clone() for n, p in layer.named_parameters()
+                                                              if p.grad is not None}))
+            (o0, g0), (o1, g1) = results
+            for a, b in zip(o0, o1):
+                torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+            assert g0.keys() == g1.keys()
+            for n in g0:
+                torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step} {n}: {m}")
+            pool = shadowed.shadow_buffers
+            ptrs = {tag: sorted(b.data_ptr() for b in kept) for tag, kept in pool.buffers.items()}
+            assert pool.nbytes > 0 and all(len(kept) <= pool.per_tag for kept in pool.buffers.values())
+            key = id(shadowed)
+            if key in seen:
+                assert ptrs == seen[key], (step, ptrs, seen[key])     # the same buffers, step after step
+            seen[key] = ptrs

@@ -215,3 +215,31 @@ def test_a_policy_naming_an_unknown_expert_is_refused_by_name():
 
 def test_pulled_copies_are_freed_after_each_step():
     run_ranks(shadow_workers.check_pulled_copies_are_freed, 2)
+
+
+def test_shadowing_keeps_its_buffers_across_steps_and_never_shares_one_in_use():
+    run_ranks(shadow_workers.check_kept_buffers_are_reused_and_never_shared, 2)
+
+
+def test_buffer_pool_hands_out_a_kept_buffer_only_when_nothing_holds_it():
+    from fmoe.distributed.shadow import BufferPool
+    pool = BufferPool(per_tag=2)
+    like = torch.zeros(1)
+    a = pool.take("pull:0", 100, like)
+    ptr = a.data_ptr()
+    b = pool.take("pull:0", 100, like)          # `a` is still held: another buffer
+    assert b.data_ptr() != ptr and pool.nbytes == 2 * 100 * 4
+    c = pool.take("pull:0", 100, like)          # both held, the pool is full: fresh and not kept
+    assert c.data_ptr() not in (ptr, b.data_ptr()) and len(pool.buffers["pull:0"]) == 2
+    view = a[10:20]
+    del a, c
+    assert pool.take("pull:0", 100, like).data_ptr() != ptr     # a view of `a` still holds it
+    del view
+    again = pool.take("pull:0", 60, like)       # free again: the same memory, only as long as asked
+    assert again.data_ptr() == ptr and again.shape == (60,) and not again._is_view()
+    del again, b
+    grown = pool.take("pull:0", 300, like)      # more than it holds: replaced by a larger one
+    assert grown.numel() == 300 and pool.nbytes == (300 + 100) * 4
+    assert pool.take("pull:0", 10, torch.zeros(1, dtype=torch.float64)).dtype == torch.float64
+    pool.clear()
+    assert pool.nbytes == 0

@@ -114,6 +114,50 @@ def run_with(experts: nn.Module, num_expert: int, x_SD: torch.Tensor, counts_S: 
     return functional_call(experts, stacked, (x_SD, counts_S))
 
 
+# ---- buffers kept across steps ----
+
+class BufferPool:
+    """Flat buffers that shadowing reuses step after step: the pulled copies, their gradients and
+    the pushed gradients an owner receives. glibc serves a block of 32 MiB or more (one expert at
+    d_model 1024) with a fresh mmap, so on the CPU every fresh buffer page-faults on first touch,
+    and that was most of what a shadowed expert cost here. On CUDA the caching allocator already
+    reuses blocks, so there `take` allocates. A buffer is handed out again only when nothing else
+    holds its storage (no saved tensor of a graph not yet run backward, no `.grad` view): a second
+    forward before the first's backward gets fresh buffers. At most `per_tag` buffers per tag."""
+
+    def __init__(self, per_tag: int = 2):
+        self.per_tag = per_tag
+        self.buffers: Dict[str, List[torch.Tensor]] = {}
+
+    @staticmethod
+    def _free(buf: torch.Tensor) -> bool:
+        # The pool's own tensor and the temporary storage object of this call hold it: 2.
+        return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2
+
+    def take(self, tag: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised flat tensor of `numel` elements of `like`'s dtype and device."""
+        if like.device.type != "cpu":
+            return like.new_empty(numel)
+        kept = self.buffers.setdefault(tag, [])
+        for i, buf in enumerate(kept):
+            if buf.dtype == like.dtype and self._free(buf):
+                if buf.numel() < numel:         # a larger set shadowed than before: replace it
+                    kept[i] = buf = like.new_empty(numel)
+                return buf[:numel].detach()
+        buf = like.new_empty(numel)
+        if len(kept) < self.per_tag:
+            kept.append(buf)
+        return buf[:numel].detach()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for kept in self.buffers.values() for b in kept)
+
+    def clear(self):
+        """Let go of every kept buffer (those in use stay alive with their users)."""
+        self.buffers = {}
+
+
 # ---- pull and push ----
 
 class GradientPush:
@@ -123,7 +167,8 @@ class GradientPush:
     against 17 ms), every other rank sends its buffer to the owner, which adds them to its own in
     rank order at `wait`; elsewhere (NCCL) one reduce per owner."""
 
-    def __init__(self, grads: List[torch.Tensor], owners: List[int], group=None):
+    def __init__(self, grads: List[torch.Tensor], owners: List[int], group=None, pool: Optional[BufferPool] = None):
+        """`pool`: where the owner's receive buffers come from (else fresh ones)."""
         self.grads, self.owners, self.group = grads, owners, group
         self.works, self.received = [], []
         if dist.get_backend(group) != "gloo":
@@ -137,7 +182,9 @@ class GradientPush:
                 continue
             for r in range(world):
                 if r != me:
-                    self.received.append(torch.empty_like(g))
+                    received = (torch.empty_like(g) if pool is None
+                                else pool.take(f"push:{o}:from:{r}", g.numel(), g).view_as(g))
+                    self.received.append(received)
                     self.works.append(dist.irecv(self.received[-1], src=global_rank(group, r), group=group))
 
     def wait(self, what: str = "gradient push"):
@@ -163,6 +210,8 @@ class _Link:
         self.grads: List[torch.Tensor] = []
         self.owned_sizes: List[int] = []        # numel of each tensor this rank owns, in buffer order
         self.fold = False                       # the owner's pushed gradients go through _AddPushed
+        self.chunk_sizes: List[List[int]] = []  # how each buffer splits into the pieces the experts use
+        self.pool: Optional[BufferPool] = None
 
     def wait(self):
         for w in self.works:
@@ -225,7 +274,8 @@ class _AddPushed(torch.autograd.Function):
 
 
 class _PullDone(torch.autograd.Function):
-    """Waits for the broadcasts and returns the pulled buffers; its backward starts the reduction."""
+    """Waits for the broadcasts and returns the pulled buffers in pieces (`link.chunk_sizes`); its
+    backward gathers the pieces' gradients into one flat buffer per owner and starts the push."""
 
     @staticmethod
     def forward(ctx, link: _Link, token):
@@ -235,15 +285,23 @@ class _PullDone(torch.autograd.Function):
         # still to hold them, link -> tensor -> node -> ctx -> link would be a cycle through C++
         # that Python's gc cannot break, and every step would keep its layer's parameters alive.
         buffers, link.buffers = tuple(link.buffers), []
-        return buffers
+        # detach: plain tensors on the buffers' memory, not views autograd would track.
+        return tuple(piece.detach() for buf, sizes in zip(buffers, link.chunk_sizes) for piece in buf.split(sizes))
 
     @staticmethod
     def backward(ctx, *grads):
         link = ctx.link
-        # Each gradient is the fresh one the split of its buffer made (a cat), used by no one
-        # else: the reduction may work in it in place.
-        link.grads = [g.contiguous() for g in grads]
-        link.push = GradientPush(link.grads, link.owners, link.group)
+        # Each flat gradient is fresh (or the pool's, free), used by no one else: the reduction may
+        # work in it in place.
+        link.grads, first = [], 0
+        for owner, sizes in zip(link.owners, link.chunk_sizes):
+            pieces = [g.reshape(-1) for g in grads[first:first + len(sizes)]]
+            first += len(sizes)
+            if link.pool is None or torch.is_grad_enabled():    # a double backward records the cat
+                link.grads.append(torch.cat(pieces))
+            else:
+                link.grads.append(torch.cat(pieces, out=link.pool.take(f"grad:{owner}", sum(sizes), pieces[0])))
+        link.push = GradientPush(link.grads, link.owners, link.group, link.pool)
         if not link.overlap:
             link.wait()
         return None, grads[0].new_empty(0)
@@ -253,9 +311,10 @@ class ShadowPull:
     """The shadowed experts' parameters, pulled from their owners; differentiable back to them."""
 
     def __init__(self, experts: nn.Module, plan: ShadowPlan, num_expert: int, group=None, overlap: bool = True,
-                 fold: bool = False):
+                 fold: bool = False, pool: Optional[BufferPool] = None):
         """`fold`: the caller runs this rank's own experts through `run_local`, so an owner of stacked
-        experts receives its pushed gradients inside those experts' gradients (see _AddPushed)."""
+        experts receives its pushed gradients inside those experts' gradients (see _AddPushed).
+        `pool`: the flat buffers come from it (the layer's, kept across steps), else fresh ones."""
         self.experts, self.plan, self.num_expert = experts, plan, num_expert
         self.fold = fold and not is_module_list(experts, num_expert)
         self.owned_slots = []
@@ -263,6 +322,7 @@ class ShadowPull:
         owner_S = [e // num_expert for e in plan.experts_S]
         me = dist.get_rank(group)
         self.link = link = _Link(group, overlap)
+        link.pool = pool
         link.owners = sorted(set(owner_S))
         templates = [expert_tensors(experts, num_expert, i) for i in self.locals_S]
         self.names = list(templates[0]) if templates else []
@@ -271,18 +331,24 @@ class ShadowPull:
         # go name by name (all slots' w1, then all slots' b1, ...), so each stacked [S, ...]
         # parameter the shadowed rows need is one view of the buffer; module lists slot by slot.
         self.layouts = [self._layout(slots) for slots in self.slots]
+        self.module_list = is_module_list(experts, num_expert)
+        # The pieces the experts use: a module list's tensors one by one; stacked experts' [S_o, ...]
+        # slab of each parameter for the owner's S_o slots, which layout order keeps together.
+        link.chunk_sizes = [[templates[s][n].numel() for s, n in layout] if self.module_list
+                            else [len(slots) * templates[slots[0]][n].numel() for n in self.names]
+                            for slots, layout in zip(self.slots, self.layouts)]
         param_index = {n: i for i, n in enumerate(self.names)}
         owned = []
         for owner, layout in zip(link.owners, self.layouts):
             size = sum(templates[s][n].numel() for s, n in layout)
+            like = templates[0][self.names[0]]
+            buf = like.new_empty(size) if pool is None else pool.take(f"pull:{owner}", size, like)
             if owner == me:
                 owned = [templates[s][n] for s, n in layout]
                 link.owned_sizes = [v.numel() for v in owned]
                 self.owned_slots = [(self.locals_S[s], param_index[n]) for s, n in layout]
                 with torch.no_grad():
-                    buf = torch.cat([v.reshape(-1) for v in owned])
-            else:
-                buf = templates[0][self.names[0]].new_empty(size)
+                    torch.cat([v.reshape(-1) for v in owned], out=buf)
             link.buffers.append(buf)
         self.templates = templates
         link.works = [dist.broadcast(b, src=global_rank(group, o), group=group, async_op=True)
@@ -310,19 +376,21 @@ class ShadowPull:
 
     def forward(self, x_SD: torch.Tensor) -> torch.Tensor:
         """This rank's rows for the shadowed experts, computed at home with the pulled parameters."""
-        buffers = _PullDone.apply(self.link, self.token)
-        if len(buffers) == 1 and not is_module_list(self.experts, self.num_expert):
-            # One owner: its buffer holds every stacked parameter whole, name by name; no copy.
-            S = len(self.locals_S)
-            ones = [self.templates[0][n] for n in self.names]
-            pieces = buffers[0].split([S * t.numel() for t in ones])
-            stacked = {n: piece.view(S, *t.shape) for n, piece, t in zip(self.names, pieces, ones)}
-            return run_with(self.experts, self.num_expert, x_SD, self.plan.counts_S, self.locals_S, [], stacked)
+        pieces = iter(_PullDone.apply(self.link, self.token))
         tensors_S: List[Dict[str, torch.Tensor]] = [{} for _ in self.locals_S]
-        for buf, layout in zip(buffers, self.layouts):
-            pieces = buf.split([self.templates[s][n].numel() for s, n in layout])
-            for (s, n), piece in zip(layout, pieces):
-                tensors_S[s][n] = piece.view(self.templates[s][n].shape)
+        if self.module_list:
+            for layout in self.layouts:
+                for s, n in layout:
+                    tensors_S[s][n] = next(pieces).view(self.templates[s][n].shape)
+            return run_with(self.experts, self.num_expert, x_SD, self.plan.counts_S, self.locals_S, tensors_S)
+        slabs = [{n: next(pieces).view(len(slots), *self.templates[slots[0]][n].shape) for n in self.names}
+                 for slots in self.slots]
+        if len(slabs) == 1:
+            # One owner: its slabs are the stacked [S, ...] parameters, in slot order; no copy.
+            return run_with(self.experts, self.num_expert, x_SD, self.plan.counts_S, self.locals_S, [], slabs[0])
+        for slots, slab in zip(self.slots, slabs):
+            for j, s in enumerate(slots):
+                tensors_S[s] = {n: slab[n][j] for n in self.names}
         return run_with(self.experts, self.num_expert, x_SD, self.plan.counts_S, self.locals_S, tensors_S)
 
 
