@@ -17,7 +17,7 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional
 
 import os
 import tempfile
@@ -156,6 +156,24 @@ def r_squared(measured: List[float], predicted: List[float]) -> float:
     return float(1 - ((m - p) ** 2).sum() / ((m - m.mean()) ** 2).sum())
 
 
+def noise_ceiling(points: List[dict]) -> Optional[float]:
+    """The R^2 a perfect model could reach on these points, as far as the run itself shows: within
+    a case, the variants that shadowed the same experts did the same work, so their measured times
+    differ by the machine's noise only; its pooled variance over the measured times' variance is
+    the share no model can explain. None when no case has two such variants."""
+    groups: Dict[tuple, List[float]] = {}
+    for p in points:
+        groups.setdefault((p["case"], tuple(p["shadowed"])), []).append(p["measured_s"])
+    replicated = [ts for ts in groups.values() if len(ts) > 1]
+    if not replicated:
+        return None
+    noise = sum(sum((t - sum(ts) / len(ts)) ** 2 for t in ts) for ts in replicated) \
+        / sum(len(ts) - 1 for ts in replicated)
+    measured = [p["measured_s"] for p in points]
+    mean = sum(measured) / len(measured)
+    return 1 - noise / (sum((t - mean) ** 2 for t in measured) / len(measured))
+
+
 def compare(bench_json: Path, constants: dict, out: Path) -> dict:
     """Predicted against measured step times of a bench_shadow run; R^2, JSON and plot.
     `constants`: the model's measured constants (CONSTANTS; missing ones keep their defaults)."""
@@ -169,16 +187,20 @@ def compare(bench_json: Path, constants: dict, out: Path) -> dict:
         # The experts the run's dynamic layer shadowed (older runs: what this model would choose).
         dynamic = r["shadowed_experts"] if "shadowed_experts" in r else model.choose_shadowed(counts_WE)
         for variant, shadowed in (("off", []), ("dynamic", dynamic), ("forced", hottest)):
-            points.append({"case": case, "variant": variant, "measured_s": r[f"{variant}_s"],
-                           "predicted_s": model.layer_time(counts_WE, shadowed)})
+            points.append({"case": case, "variant": variant, "shadowed": sorted(shadowed),
+                           "measured_s": r[f"{variant}_s"], "predicted_s": model.layer_time(counts_WE, shadowed)})
     r2 = r_squared([p["measured_s"] for p in points], [p["predicted_s"] for p in points])
+    ceiling = noise_ceiling(points)
     print(f"predicted vs measured ({bench_json}; {describe(constants_of(model))}):")
     for p in points:
         print(f"  {p['case']:22s}{p['variant']:>8s}{p['measured_s'] * 1e3:10.1f} ms measured"
               f"{p['predicted_s'] * 1e3:10.1f} ms predicted")
-    print(f"R^2 = {r2:.3f} over {len(points)} points")
+    print(f"R^2 = {r2:.3f} over {len(points)} points"
+          + ("" if ceiling is None else f"; the noise between variants doing the same work "
+             f"(same experts shadowed) caps it at about {ceiling:.3f}"))
     out.mkdir(parents=True, exist_ok=True)
-    result = {"bench": str(bench_json), **constants_of(model), "r_squared": r2, "points": points}
+    result = {"bench": str(bench_json), **constants_of(model), "r_squared": r2,
+              "r_squared_noise_ceiling": ceiling, "points": points}
     write_json(out / "compare.json", result, indent=2)
     import matplotlib
     matplotlib.use("Agg")

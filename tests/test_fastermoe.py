@@ -158,6 +158,17 @@ def test_simulate_writes_table_json_and_plot(tmp_path, capsys):
         simulate.expert_shares("zipf:-1", 8)
 
 
+def test_noise_ceiling_is_the_share_of_variance_between_same_work_variants_by_hand():
+    from fmoe.simulate import noise_ceiling
+    points = [{"case": "hot", "shadowed": [], "measured_s": 1.0},
+              {"case": "hot", "shadowed": [0], "measured_s": 2.0},
+              {"case": "hot", "shadowed": [0], "measured_s": 2.2},       # the same work as the one above
+              {"case": "uniform", "shadowed": [], "measured_s": 3.0}]
+    # Pooled noise variance 0.1^2 + 0.1^2 over 1 degree of freedom = 0.02; the times' variance 2.03 / 4.
+    assert noise_ceiling(points) == pytest.approx(1 - 0.02 / (2.03 / 4))
+    assert noise_ceiling(points[:2]) is None                            # no two variants did the same work
+
+
 def test_simulate_compares_with_a_bench_run_and_sets_paper_clusters(tmp_path, capsys):
     import json
     from fmoe import simulate
@@ -175,6 +186,10 @@ def test_simulate_compares_with_a_bench_run_and_sets_paper_clusters(tmp_path, ca
     simulate.main(["--gpus", "16", "--dist", "zipf:1.2", "--compare", str(bench), "--paper", "--out", str(tmp_path)])
     compared = json.loads((tmp_path / "compare.json").read_text())
     assert compared["r_squared"] == pytest.approx(1.0) and len(compared["points"]) == 6
+    # The hot case's dynamic and forced steps shadow the same expert (same work, same time): no
+    # noise between them, so a perfect model is not capped.
+    assert [p["shadowed"] for p in compared["points"]] == [[], [], [0], [], [0], [0]]
+    assert compared["r_squared_noise_ceiling"] == pytest.approx(1.0)
     assert (tmp_path / "compare.png").stat().st_size > 1000
     paper = json.loads((tmp_path / "simulate.json").read_text())["paper"]
     assert [r["gpus"] for r in paper] == [16, 64]
