@@ -131,8 +131,11 @@ class BufferPool:
 
     @staticmethod
     def _free(buf: torch.Tensor) -> bool:
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if use_count is None:           # a torch without it: never reuse (always safe)
+            return False
         # The pool's own tensor and the temporary storage object of this call hold it: 2.
-        return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2
+        return use_count(buf.untyped_storage()._cdata) <= 2
 
     def take(self, tag: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         """An uninitialised flat tensor of `numel` elements of `like`'s dtype and device."""
