@@ -34,7 +34,7 @@ from fmoe import cpu_memory  # noqa: E402
 from common import machine, run_on_ranks  # noqa: E402
 from fmoe.distributed.shadow import ShadowPolicy  # noqa: E402
 from fmoe.gates.base import BaseGate, LinearRouter  # noqa: E402
-from fmoe.calibration import Calibration, calibrate, medians, time_in_turns  # noqa: E402
+from fmoe.calibration import Calibration, calibrate, time_in_turns  # noqa: E402
 from fmoe.perfmodel import PerfModel  # noqa: E402
 from fmoe.simulate import constants_of, describe, expert_shares  # noqa: E402
 from fmoe.files import write_json  # noqa: E402
@@ -170,7 +170,7 @@ def worker(rank, world, args):
             row["fraction_of_balanced_bound"] = row["speedup"] / row["balanced_bound_speedup"]
         results[case] = row
     # The simulator's constants, from the probes timed in turns with every case's steps.
-    simulator = beside.fit(medians(probe_times))
+    simulator = beside.fit_times(probe_times)
     for row in results.values():
         counts_WE = torch.tensor(row["counts_WE"], dtype=torch.double)
         row["predicted_off_s"] = simulator.layer_time(counts_WE)

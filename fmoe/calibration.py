@@ -6,7 +6,8 @@ rows up past the balanced ones; its slope around the balanced rows also gives Fa
 and a time per expert), an all-to-all, the broadcast and the push of one expert's parameters, a
 layer step of width-1 experts (the fixed time per routed row) and a layer step with a few
 experts shadowed and without (what shadowing an expert adds while the ranks compute).
-`Calibration.fit` turns the probes' median seconds into a PerfModel.
+`Calibration.fit` turns the probes' median seconds into a PerfModel; `Calibration.fit_times`
+takes the probes' seconds run by run, as `time_in_turns` gives them.
 
 `calibrate` times the probes taking turns and fits them. A benchmark can instead time the probes
 in turns with its own steps (`benchmarks/bench_shadow.py` does) and fit them afterwards, so that
@@ -19,7 +20,7 @@ import random
 import statistics
 import time
 from dataclasses import replace
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -164,9 +165,18 @@ class Calibration:
             return step
         return step_of(False), step_of(ShadowFirst(self.model))
 
-    def fit(self, seconds: Dict[str, float]) -> PerfModel:
+    def fit_times(self, times: Dict[str, List[float]]) -> PerfModel:
+        """`fit` of each probe's seconds run by run, as `time_in_turns` gives them: the medians,
+        and what shadowing adds as the median of the shadowed probe less the unshadowed one of
+        the same round (`paired_difference`)."""
+        added = (paired_difference(times["shadow_on"], times["shadow_off"])
+                 if "shadow_on" in times and "shadow_off" in times else None)
+        return self.fit(medians(times), shadow_added=added)
+
+    def fit(self, seconds: Dict[str, float], shadow_added: Optional[float] = None) -> PerfModel:
         """`model` with the constants the probes' (median) seconds give; when distributed, the same
-        on every rank (the slowest rank's: least throughput, most fixed time)."""
+        on every rank (the slowest rank's: least throughput, most fixed time). `shadow_added`:
+        the seconds shadowing the probe's experts adds, if not the difference of the medians."""
         import torch.distributed as dist
         model = self.model
         missing = sorted(set(self._probes) - set(seconds))
@@ -206,7 +216,7 @@ class Calibration:
         counts_WE[:, :k] = 0                # the probe's routing: none to the shadowed experts
         unshadowed = replace(measured, shadow_time_per_expert=0.0)
         modelled = unshadowed.layer_time(counts_WE, self.probe_shadowed) - unshadowed.layer_time(counts_WE)
-        added = seconds["shadow_on"] - seconds["shadow_off"]
+        added = seconds["shadow_on"] - seconds["shadow_off"] if shadow_added is None else shadow_added
         shadow = max((added - modelled) / k, replace(measured, shadow_time_per_expert=None).shadow_cost(1))
         rates = torch.tensor([flops, bandwidth, pull, push], dtype=torch.double)
         dist.all_reduce(rates, op=dist.ReduceOp.MIN, group=self.group)
@@ -239,9 +249,19 @@ def medians(times: Dict[str, List[float]]) -> Dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def paired_difference(with_: List[float], without: List[float]) -> float:
+    """The median of the differences of two steps timed in the same rounds, round by round. A shared
+    machine's slow phase then slows both sides of a difference alike; the difference of the two
+    medians can take one side's median from a slow round and the other's from a fast one."""
+    if len(with_) != len(without) or not with_:
+        raise ValueError(f"paired_difference: needs one time per round on both sides, got {len(with_)} "
+                         f"and {len(without)}")
+    return statistics.median(a - b for a, b in zip(with_, without))
+
+
 def calibrate(model: PerfModel, group=None, size: int = 1024, reps: int = 5, tokens: int = 0,
               num_expert: int = 1) -> PerfModel:
     """`model` with this machine's constants for its shapes: the probes of `Calibration(model,
     group, size, tokens, num_expert)` timed `reps` times each, taking turns, and fitted."""
     calibration = Calibration(model, group, size, tokens, num_expert)
-    return calibration.fit(medians(time_in_turns(calibration.probes(), reps, group=group)))
+    return calibration.fit_times(time_in_turns(calibration.probes(), reps, group=group))

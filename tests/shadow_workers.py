@@ -309,3 +309,21 @@ def check_kept_buffers_are_reused_and_never_shared(rank, world):
             if key in seen:
                 assert ptrs == seen[key], (step, ptrs, seen[key])     # the same buffers, step after step
             seen[key] = ptrs
+
+
+def check_fit_times_takes_shadowings_cost_round_by_round(rank, world):
+    """fit_times on real ranks: the probes' medians, and shadowing's added time from the on/off
+    differences of each round, not from the difference of their medians."""
+    from fmoe.calibration import Calibration, medians, paired_difference
+    calibration = Calibration(PerfModel(64, 256), size=256, tokens=128)
+    times = {name: [0.01 * (i + 1)] * 9 for i, name in enumerate(calibration.probes())}
+    # Rounds 5-8 ran 30% slow; the unshadowed step of round 4 met a spike.
+    speed = [1.0] * 5 + [1.3] * 4
+    times["shadow_off"] = [s * 1.0 for s in speed]
+    times["shadow_off"][4] = 2.0
+    times["shadow_on"] = [s * 1.4 for s in speed]
+    paired = paired_difference(times["shadow_on"], times["shadow_off"])
+    assert abs(paired - 0.4) < 1e-12, paired
+    by_rounds = calibration.fit_times(times)
+    assert by_rounds == calibration.fit(medians(times), shadow_added=paired)
+    assert by_rounds.shadow_time_per_expert > calibration.fit(medians(times)).shadow_time_per_expert

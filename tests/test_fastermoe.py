@@ -93,6 +93,19 @@ def test_calibration_on_two_ranks_measures_every_constant():
     run_ranks(shadow_workers.check_calibration_measures_every_constant_alike_on_all_ranks, 2)
 
 
+def test_paired_difference_is_the_median_of_round_by_round_differences_by_hand():
+    from fmoe.calibration import paired_difference
+    # Rounds 4-5 ran slow for both and round 3's first step met a spike: the medians' difference
+    # would say 2.0 - 1.0 = 1.0.
+    assert paired_difference([1.2, 1.2, 2.0, 2.2, 2.2], [1.0, 1.0, 1.0, 2.0, 2.0]) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="one time per round on both sides, got 2 and 1"):
+        paired_difference([1.0, 2.0], [1.0])
+
+
+def test_calibration_takes_shadowings_cost_round_by_round_on_two_ranks():
+    run_ranks(shadow_workers.check_fit_times_takes_shadowings_cost_round_by_round, 2)
+
+
 def test_policy_uniform_shadows_nothing_and_hot_expert_is_shadowed():
     m = PerfModel(d_model=1024, d_hidden=4096, flops=1e12, net_bandwidth=10e9)
     uniform = torch.full((4, 8), 500)
