@@ -16,6 +16,7 @@ speedups.
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -167,11 +168,8 @@ def noise_ceiling(points: List[dict]) -> Optional[float]:
     replicated = [ts for ts in groups.values() if len(ts) > 1]
     if not replicated:
         return None
-    noise = sum(sum((t - sum(ts) / len(ts)) ** 2 for t in ts) for ts in replicated) \
-        / sum(len(ts) - 1 for ts in replicated)
-    measured = [p["measured_s"] for p in points]
-    mean = sum(measured) / len(measured)
-    return 1 - noise / (sum((t - mean) ** 2 for t in measured) / len(measured))
+    noise = sum((len(ts) - 1) * statistics.variance(ts) for ts in replicated) / sum(len(ts) - 1 for ts in replicated)
+    return 1 - noise / statistics.pvariance([p["measured_s"] for p in points])
 
 
 def compare(bench_json: Path, constants: dict, out: Path) -> dict:

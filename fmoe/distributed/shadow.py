@@ -123,7 +123,8 @@ class BufferPool:
     and that was most of what a shadowed expert cost here. On CUDA the caching allocator already
     reuses blocks, so there `take` allocates. A buffer is handed out again only when nothing else
     holds its storage (no saved tensor of a graph not yet run backward, no `.grad` view): a second
-    forward before the first's backward gets fresh buffers. At most `per_tag` buffers per tag."""
+    forward before the first's backward gets fresh buffers. At most `per_tag` buffers per tag
+    (`per_tag=0`: none kept, a fresh buffer every time)."""
 
     def __init__(self, per_tag: int = 2):
         self.per_tag = per_tag
@@ -171,7 +172,8 @@ class GradientPush:
     rank order at `wait`; elsewhere (NCCL) one reduce per owner."""
 
     def __init__(self, grads: List[torch.Tensor], owners: List[int], group=None, pool: Optional[BufferPool] = None):
-        """`pool`: where the owner's receive buffers come from (else fresh ones)."""
+        """`pool`: where the owner's receive buffers come from (default: fresh ones)."""
+        pool = BufferPool(per_tag=0) if pool is None else pool
         self.grads, self.owners, self.group = grads, owners, group
         self.works, self.received = [], []
         if dist.get_backend(group) != "gloo":
@@ -185,9 +187,7 @@ class GradientPush:
                 continue
             for r in range(world):
                 if r != me:
-                    received = (torch.empty_like(g) if pool is None
-                                else pool.take(f"push:{o}:from:{r}", g.numel(), g).view_as(g))
-                    self.received.append(received)
+                    self.received.append(pool.take(f"push:{o}:from:{r}", g.numel(), g).view_as(g))
                     self.works.append(dist.irecv(self.received[-1], src=global_rank(group, r), group=group))
 
     def wait(self, what: str = "gradient push"):
@@ -214,7 +214,7 @@ class _Link:
         self.owned_sizes: List[int] = []        # numel of each tensor this rank owns, in buffer order
         self.fold = False                       # the owner's pushed gradients go through _AddPushed
         self.chunk_sizes: List[List[int]] = []  # how each buffer splits into the pieces the experts use
-        self.pool: Optional[BufferPool] = None
+        self.pool = BufferPool(per_tag=0)           # fresh buffers, unless the caller's pool is given
 
     def wait(self):
         for w in self.works:
@@ -300,7 +300,7 @@ class _PullDone(torch.autograd.Function):
         for owner, sizes in zip(link.owners, link.chunk_sizes):
             pieces = [g.reshape(-1) for g in grads[first:first + len(sizes)]]
             first += len(sizes)
-            if link.pool is None or torch.is_grad_enabled():    # a double backward records the cat
+            if torch.is_grad_enabled():         # a double backward records the cat: no out=
                 link.grads.append(torch.cat(pieces))
             else:
                 link.grads.append(torch.cat(pieces, out=link.pool.take(f"grad:{owner}", sum(sizes), pieces[0])))
@@ -317,7 +317,7 @@ class ShadowPull:
                  fold: bool = False, pool: Optional[BufferPool] = None):
         """`fold`: the caller runs this rank's own experts through `run_local`, so an owner of stacked
         experts receives its pushed gradients inside those experts' gradients (see _AddPushed).
-        `pool`: the flat buffers come from it (the layer's, kept across steps), else fresh ones."""
+        `pool`: the flat buffers come from it (the layer's, kept across steps); default: fresh ones."""
         self.experts, self.plan, self.num_expert = experts, plan, num_expert
         self.fold = fold and not is_module_list(experts, num_expert)
         self.owned_slots = []
@@ -325,7 +325,8 @@ class ShadowPull:
         owner_S = [e // num_expert for e in plan.experts_S]
         me = dist.get_rank(group)
         self.link = link = _Link(group, overlap)
-        link.pool = pool
+        if pool is not None:
+            link.pool = pool
         link.owners = sorted(set(owner_S))
         templates = [expert_tensors(experts, num_expert, i) for i in self.locals_S]
         self.names = list(templates[0]) if templates else []
@@ -342,10 +343,8 @@ class ShadowPull:
                             for slots, layout in zip(self.slots, self.layouts)]
         param_index = {n: i for i, n in enumerate(self.names)}
         owned = []
-        for owner, layout in zip(link.owners, self.layouts):
-            size = sum(templates[s][n].numel() for s, n in layout)
-            like = templates[0][self.names[0]]
-            buf = like.new_empty(size) if pool is None else pool.take(f"pull:{owner}", size, like)
+        for owner, layout, sizes in zip(link.owners, self.layouts, link.chunk_sizes):
+            buf = link.pool.take(f"pull:{owner}", sum(sizes), templates[0][self.names[0]])
             if owner == me:
                 owned = [templates[s][n] for s, n in layout]
                 link.owned_sizes = [v.numel() for v in owned]
