@@ -4,6 +4,7 @@ from fmoe.experts import FMoELinear, GroupedExperts
 from fmoe.gates import (BalancedGate, BaseGate, DCGate, FasterGate, GShardGate, NaiveGate, NoisyGate, Routing,
                         SwipeGate, SwitchGate, ZeroGate)
 from fmoe.layer import FMoE, collect_aux_loss
+from fmoe.load_balancing import end_step, register_bias_update
 from fmoe.routing import RoutingPlan
 from fmoe.transformer import FMoETransformerMLP, moefy
 
@@ -13,5 +14,5 @@ __all__ = [
     "FMoE", "FMoETransformerMLP", "FMoELinear", "GroupedExperts", "RoutingPlan", "Routing",
     "BaseGate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate", "FasterGate",
     "ZeroGate", "DCGate", "SwipeGate", "DistributedGroupedDataParallel",
-    "collect_aux_loss", "moefy",
+    "collect_aux_loss", "moefy", "register_bias_update", "end_step",
 ]

@@ -152,6 +152,7 @@ class FMoE(nn.Module):
         self.last_counts_E = None
         self.last_num_dropped = None
         self.layer_index = None        # set by the check with the other ranks, before the first exchange
+        self.sequence_first = False    # a 3-D input is [batch, seq, d_model]; Megatron's is [seq, batch, d_model]
 
     def __setattr__(self, name, value):
         if name == "experts" and isinstance(value, nn.Module):
@@ -241,6 +242,8 @@ class FMoE(nn.Module):
         if self.slice_group is not None:
             x_TD = [slice_rows(t, self.slice_group) for t in x_TD]
         inp = x_TD[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_TD, spec)
+        if hasattr(self.gate, "tokens_layout"):
+            self.gate.tokens_layout = (tuple(lead), self.sequence_first)   # where its sequences are
         routing = self.gate.routing(inp) if isinstance(self.gate, BaseGate) else routing_from_fastmoe_gate(self.gate, inp)
         if not self.fp32_combine and x_TD[0].dtype in (torch.float16, torch.bfloat16):
             rounded_TK = routing.weight_TK.to(x_TD[0].dtype).to(routing.weight_TK.dtype)

@@ -240,8 +240,12 @@ def check_balanced_gate_bias_follows_global_load(rank, world):
     full, ep = build_pair("balanced", 1, 2, world, rank)
     gen = torch.Generator().manual_seed(5)
     x_all = torch.randn(10 * world, D, generator=gen)
+    full.gate.balance_group = "local"       # the one-process reference sees the whole batch itself
     full.train()(x_all)
     ep.train()(x_all[rank * 10:(rank + 1) * 10])
+    full.gate.end_step()
+    ep.gate.end_step()
+    assert ep.gate.expert_bias_E.abs().sum() > 0
     assert torch.equal(ep.gate.expert_bias_E, full.gate.expert_bias_E), (rank, ep.gate.expert_bias_E)
 
 

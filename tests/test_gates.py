@@ -101,9 +101,11 @@ def test_balanced_gate_bias_moves_toward_balance():
     x = torch.randn(256, 8)
     first_load = torch.bincount(gate.routing(x).expert_idx_TK.reshape(-1), minlength=4)
     assert first_load[0] > 200
+    gate.end_step()
     assert gate.expert_bias_E.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
     for _ in range(500):
         gate.routing(x)
+        gate.end_step()
     load = torch.bincount(gate.routing(x).expert_idx_TK.reshape(-1), minlength=4)
     assert load.max() < 2 * 64, load    # within 2x of perfect balance (64 each)
     assert gate.expert_bias_E[0] < gate.expert_bias_E[1:].min()
@@ -481,6 +483,7 @@ def zero_token_rank_worker(rank, world):
                                         gate=gate, gate_kwargs=kwargs).train()
         x = torch.randn(0 if rank == 0 else 16, 8, requires_grad=True)
         layer(x).sum().backward()
+        fmoe.end_step(layer)
         bias = getattr(layer.gate, "e_score_correction_bias", None)
         if bias is not None:
             everyone = [torch.empty_like(bias) for _ in range(world)]

@@ -158,9 +158,12 @@ def test_updated_selection_bias_moves_toward_balance():
         gate.gate.proj.bias.copy_(torch.tensor([3.0, 0.0, 0.0, 0.0]))
     x = torch.randn(256, D)
     gate.routing(x)
+    assert gate.e_score_correction_bias.tolist() == [0.0] * 4     # moves at the step's end, not in a forward
+    gate.end_step()
     assert gate.e_score_correction_bias.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
     for _ in range(300):
         gate.routing(x)
+        gate.end_step()
     load = torch.bincount(gate.routing(x).expert_idx_TK.reshape(-1), minlength=4)
     assert load.max() < 2 * 64, load
 

@@ -24,6 +24,12 @@ def count_per_expert(idx_N: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts_E.scatter_add_(0, idx_N.reshape(-1), torch.ones_like(idx_N.reshape(-1)))
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """`inv` with inv[order[i]] = i, by a gather rather than a scatter: Inductor (torch 2.13, grad
+    enabled) fused a read of a scattered mask before the scatter, so every slot read as dropped."""
+    return torch.argsort(order)
+
+
 def drop_over_capacity(expert_idx_TK, weight_TK, score_TK, tot_expert: int, capacity: int):
     """Keep each expert's `capacity` highest-scoring slots; drop the rest (index -1, weight 0).
 
@@ -43,8 +49,7 @@ def drop_over_capacity(expert_idx_TK, weight_TK, score_TK, tot_expert: int, capa
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[sorted_expert]
     keep_sorted = (rank_in_expert < capacity) & (sorted_expert < tot_expert)
-    keep_N = torch.zeros_like(live_N)
-    keep_N[order] = keep_sorted
+    keep_N = keep_sorted[inverse_permutation(order)]
     dropped_N = live_N & ~keep_N
     new_idx = torch.where(keep_N, idx_N, torch.full_like(idx_N, -1)).view_as(expert_idx_TK)
     new_weight = torch.where(keep_N.view_as(weight_TK), weight_TK, torch.zeros_like(weight_TK))

@@ -4,6 +4,8 @@ first-come: ranks in order, then this rank's slots in token order."""
 import torch
 import torch.distributed as dist
 
+from fmoe.gates.capacity import inverse_permutation
+
 
 def group_size(group) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
@@ -34,8 +36,7 @@ def keep_first(target_S: torch.Tensor, allowed_X: torch.Tensor) -> torch.Tensor:
     counts = torch.bincount(target[live_S], minlength=allowed_X.numel())
     starts = torch.cumsum(counts, 0) - counts
     rank_in_target = torch.arange(order.numel(), device=order.device) - starts[sorted_target]
-    keep = torch.zeros_like(live_S)
-    keep[order] = rank_in_target < allowed_X[sorted_target]
+    keep = (rank_in_target < allowed_X[sorted_target])[inverse_permutation(order)]
     return keep & live_S
 
 

@@ -11,27 +11,22 @@
 k (Mixtral as FastMoE's NaiveGate, gpt-oss, GraniteMoe); `sparsemixer` is PhiMoE's top-2.
 """
 import math
+import warnings
 
 import torch
-import torch.distributed as dist
 
+from fmoe.gates.balance_losses import (AUX_LOSSES, chosen_counts, global_loss, normalised_scores, sequence_loss,
+                                       switch_loss)
 from fmoe.gates.base import BaseGate, LinearRouter, check_bool, check_choice, check_float, check_int
+from fmoe.gates.load_state import BIAS_UPDATES, check_balance_group, in_recompute, reduce_over_replicas
 
 SELECTION_BIAS = (None, "frozen", "updated")
 GROUP_SCORE = ("top2_sum", "max")
 
 
 def load_balancing_loss(logits_TE: torch.Tensor, top_k: int) -> torch.Tensor:
-    """transformers' `load_balancing_loss_func` (Switch Transformer) over one layer's tokens:
-    E * sum_e(fraction of top-k slots on e * mean router probability of e)."""
-    T, E = logits_TE.shape
-    if T == 0:
-        return logits_TE.sum() * 0.0
-    probs_TE = torch.softmax(logits_TE, dim=-1)
-    chosen_N = torch.topk(probs_TE, top_k, dim=-1).indices.reshape(-1)
-    tokens_E = torch.zeros(E, dtype=probs_TE.dtype, device=probs_TE.device).index_add_(
-        0, chosen_N, torch.ones_like(chosen_N, dtype=probs_TE.dtype))
-    return E * torch.sum(tokens_E / T * probs_TE.mean(0))
+    """transformers' `load_balancing_loss_func` (Switch Transformer) over one layer's tokens."""
+    return switch_loss(logits_TE, top_k)
 
 
 class SparseMixerGrad(torch.autograd.Function):
@@ -83,10 +78,20 @@ class RouterGate(BaseGate):
     """One gate core with composable routing options (see the module docstring).
 
     `selection_bias`: None, "frozen" (a loaded `e_score_correction_bias`, DeepSeek-V3) or
-    "updated" (aux-loss-free balancing: after each training forward the bias of an overloaded
-    expert falls and an underloaded one rises by `bias_update_speed`, by the load summed over
-    all ranks). `aux_loss="switch"` adds `aux_loss_coef` times transformers' load-balancing
-    loss of this layer. The last router logits stay in `last_logits_TE` (fp32 or higher).
+    "updated" (aux-loss-free balancing: the bias of an overloaded expert falls and an
+    underloaded one rises by `bias_update_speed`, steered by the load summed over the gate's
+    replicas, `balance_group`). `bias_update="step"` (the default) moves it once per optimizer
+    step, from the load of all the step's training forwards (`fmoe.register_bias_update`);
+    `"forward"` moves it at the start of each training forward from the load of the one
+    before, for code without an optimizer hook. Neither moves it in a recompute, nor counts one.
+
+    `aux_loss`: None, one of "switch", "sequence", "global", or several of them (a tuple), each
+    times `aux_loss_coef` (a number, or a dict with one per loss); see `balance_losses`.
+    "sequence" reads the sequences from the layer's input ([B, S, D], or [S, B, D] when the
+    layer says `sequence_first`), or from `seq_len` tokens of a flat input. "global" counts the
+    chosen experts over the replicas and over the step's micro-batches so far (the count
+    restarts at each `register_bias_update` step; without that hook, at every forward).
+    The last router logits stay in `last_logits_TE` (fp32 or higher).
     """
 
     keeps_fp32 = True
@@ -94,7 +99,8 @@ class RouterGate(BaseGate):
     def __init__(self, d_model, num_expert, world_size=1, top_k=2, *, score="softmax", softmax_after_topk=False,
                  norm_topk_prob=False, routed_scaling_factor=1.0, n_group=1, topk_group=1, group_score="top2_sum",
                  gate_bias=False, selection_bias=None, bias_update_speed=1e-3, sparsemixer=False, jitter_eps=0.01,
-                 aux_loss=None, aux_loss_coef=0.01, capacity=None, z_loss_coef=0.0):
+                 aux_loss=None, aux_loss_coef=0.01, capacity=None, z_loss_coef=0.0, seq_len=None,
+                 bias_update="step", balance_group="world"):
         super().__init__(d_model, num_expert, world_size, top_k, capacity, z_loss_coef)
         self.score = check_choice("score", score, ("softmax", "sigmoid"))
         self.softmax_after_topk = check_bool("softmax_after_topk", softmax_after_topk)
@@ -108,8 +114,14 @@ class RouterGate(BaseGate):
         self.bias_update_speed = check_float("bias_update_speed", bias_update_speed)
         self.sparsemixer = check_bool("sparsemixer", sparsemixer)
         self.jitter_eps = check_float("jitter_eps", jitter_eps)
-        self.aux_loss = check_choice("aux_loss", aux_loss, (None, "switch"))
-        self.aux_loss_coef = check_float("aux_loss_coef", aux_loss_coef)
+        self.aux_loss = aux_loss
+        self.aux_loss_coef = aux_loss_coef
+        self.aux_losses = check_aux_losses(aux_loss, aux_loss_coef)
+        self.seq_len = None if seq_len is None else check_int("seq_len", seq_len)
+        self.bias_update = check_choice("bias_update", bias_update, BIAS_UPDATES)
+        self.balance_group = check_balance_group(balance_group)
+        self.tokens_layout = None       # (leading dims, sequence_first) of the layer's input, set by the layer
+        self.step_hooked = False        # set by fmoe.register_bias_update
         E = self.tot_expert
         if E % self.n_group:
             raise ValueError(f"n_group={n_group} must divide the number of experts ({E})")
@@ -130,6 +142,12 @@ class RouterGate(BaseGate):
         self.gate = LinearRouter(d_model, E, bias=check_bool("gate_bias", gate_bias))
         if self.selection_bias is not None:
             self.register_buffer("e_score_correction_bias", torch.zeros(E))
+        # Counts kept between optimizer steps, not checkpointed: a step's load, the global loss's slots.
+        if self.selection_bias == "updated":
+            self.register_buffer("step_load_E", torch.zeros(E, dtype=torch.long), persistent=False)
+        if "global" in self.aux_losses:
+            self.register_buffer("global_slots_E", torch.zeros(E, dtype=torch.long), persistent=False)
+        self.global_fractions = []      # each forward's fraction_E, replayed by its recompute
 
     @classmethod
     def from_preset(cls, name: str, d_model, num_expert, world_size=1, top_k=None, **overrides) -> "RouterGate":
@@ -147,6 +165,9 @@ class RouterGate(BaseGate):
 
     def route(self, x_TD):
         logits_TE = self.router_logits(x_TD)
+        counting = self.training and self.selection_bias == "updated" and not in_recompute()
+        if counting and self.bias_update == "forward":
+            end_step_of([self], self.balance_group, self.label, bias_only=True)
         if self.sparsemixer:
             weight_TK, expert_idx_TK = sparsemixer_top2(logits_TE, self.jitter_eps, self.training)
         elif self.softmax_after_topk:
@@ -163,12 +184,60 @@ class RouterGate(BaseGate):
                 weight_TK = weight_TK / (weight_TK.sum(-1, keepdim=True) + 1e-20)
         if self.routed_scaling_factor != 1.0:
             weight_TK = weight_TK * self.routed_scaling_factor
-        if self.selection_bias == "updated" and self.training:
-            self.update_bias(expert_idx_TK)
+        if counting:
+            self.count_load(expert_idx_TK)
+        return expert_idx_TK, weight_TK, weight_TK, logits_TE, self.balance_loss(logits_TE)
+
+    def balance_loss(self, logits_TE):
+        """The sum of the chosen `aux_loss` terms, each times its coefficient."""
         aux = logits_TE.new_zeros(())
-        if self.aux_loss == "switch":
-            aux = aux + self.aux_loss_coef * load_balancing_loss(logits_TE, self.top_k)
-        return expert_idx_TK, weight_TK, weight_TK, logits_TE, aux
+        if "switch" in self.aux_losses:
+            aux = aux + self.aux_losses["switch"] * switch_loss(logits_TE, self.top_k)
+        if "sequence" in self.aux_losses or "global" in self.aux_losses:
+            scores_TE = normalised_scores(logits_TE, self.score)
+            if "sequence" in self.aux_losses:
+                aux = aux + self.aux_losses["sequence"] * sequence_loss(self.by_sequence(scores_TE), self.top_k)
+            if "global" in self.aux_losses:
+                aux = aux + self.aux_losses["global"] * global_loss(scores_TE, self.global_fraction(scores_TE))
+        return aux
+
+    def by_sequence(self, scores_TE):
+        """The scores laid [S, B, E]: B sequences of S tokens."""
+        T, E = scores_TE.shape
+        if self.seq_len is not None:
+            if T % self.seq_len:
+                raise ValueError(f"aux_loss='sequence': the {T} tokens are not whole sequences of seq_len={self.seq_len}")
+            return scores_TE.view(T // self.seq_len, self.seq_len, E).transpose(0, 1)
+        lead, sequence_first = self.tokens_layout if self.tokens_layout is not None else ((T,), False)
+        if math.prod(lead) != T:
+            raise ValueError(f"aux_loss='sequence': the gate routes {T} tokens of an input laid {tuple(lead)} "
+                             "(sliced?): give the gate seq_len=")
+        if len(lead) < 2:
+            return scores_TE.view(T, 1, E)          # one sequence
+        if sequence_first:
+            return scores_TE.view(lead[0], -1, E)
+        return scores_TE.view(-1, lead[-1], E).transpose(0, 1)
+
+    def global_fraction(self, scores_TE):
+        """Slots on each expert / all slots, over the replicas and the step's micro-batches so far.
+        A recompute replays its forward's fraction: the loss and its gradient come out the same."""
+        slots_E = chosen_counts(scores_TE, self.top_k)
+        if not self.training:       # evaluation: this batch's own counts, no collective
+            return slots_E.float() / slots_E.sum().clamp_min(1)
+        if in_recompute() and self.global_fractions:
+            return self.global_fractions.pop(0)
+        slots_E = reduce_over_replicas(slots_E, self.balance_group, f"{self.label}: aux_loss='global'")
+        if not self.step_hooked:
+            self.global_slots_E.zero_()
+            self.global_fractions.clear()
+        self.global_slots_E += slots_E
+        fraction_E = self.global_slots_E.float() / self.global_slots_E.sum().clamp_min(1)
+        self.global_fractions.append(fraction_E)
+        return fraction_E
+
+    @property
+    def label(self) -> str:
+        return getattr(self, "layer_name", None) or type(self).__name__
 
     def biased(self, scores_TE):
         if self.selection_bias is None:
@@ -190,15 +259,63 @@ class RouterGate(BaseGate):
         return grouped_TGe.masked_fill(~keep_TG.unsqueeze(-1), -math.inf).view(T, E)
 
     @torch.no_grad()
-    def update_bias(self, expert_idx_TK):
-        """Aux-loss-free steering. Every rank reaches the all-reduce, with or without tokens."""
-        load_E = torch.zeros(self.tot_expert, dtype=torch.float32, device=expert_idx_TK.device)
-        load_E.index_add_(0, expert_idx_TK.reshape(-1), torch.ones(expert_idx_TK.numel(), device=load_E.device))
-        if dist.is_available() and dist.is_initialized():
-            # The gate is replicated on every rank: steer it by the global load, so all copies agree.
-            dist.all_reduce(load_E)
+    def count_load(self, expert_idx_TK):
+        """Adds this forward's chosen experts to the step's load, on the device (no collective)."""
+        if self.bias_update == "step" and not self.step_hooked and not getattr(self, "warned_unhooked", False):
+            self.warned_unhooked = True
+            warnings.warn(f"{self.label}: selection_bias='updated' moves the bias once per optimizer step: call "
+                          "fmoe.register_bias_update(model, optimizer), or fmoe.end_step(model) after each step "
+                          "(or pass bias_update='forward')", stacklevel=3)
+        live_N = expert_idx_TK.reshape(-1)
+        self.step_load_E.scatter_add_(0, live_N.clamp_min(0), (live_N >= 0).long())
+
+    def end_step(self):
+        """Moves the bias by the step's load summed over the replicas (one collective) and starts the
+        next step; `fmoe.register_bias_update` does this for all gates at once."""
+        end_step_of([self], self.balance_group, self.label)
+
+    @torch.no_grad()
+    def apply_load(self, load_E):
+        """The aux-loss-free move: bias += speed * sign(mean load - load)."""
         bias_E = self.e_score_correction_bias
+        load_E = load_E.float()
         bias_E += (self.bias_update_speed * torch.sign(load_E.mean() - load_E)).to(bias_E.dtype)
+
+
+def end_step_of(gates, group, what: str, bias_only: bool = False):
+    """End an optimizer step for `gates` sharing one replica group: the loads of the updated biases
+    summed over the replicas in one all-reduce, each bias moved, the step's counts reset."""
+    updated = [g for g in gates if g.selection_bias == "updated"]
+    if updated:
+        loads = torch.cat([g.step_load_E for g in updated])
+        summed = reduce_over_replicas(loads, group, f"{what}: the balancing bias's step update")
+        for gate, load_E in zip(updated, summed.split([g.tot_expert for g in updated])):
+            gate.apply_load(load_E)
+            gate.step_load_E.zero_()
+    if not bias_only:
+        for gate in gates:
+            gate.step_hooked = True         # someone ends the steps: the counts span them
+            if "global" in gate.aux_losses:
+                gate.global_slots_E.zero_()
+                gate.global_fractions.clear()
+
+
+def check_aux_losses(aux_loss, aux_loss_coef) -> dict:
+    """{loss name: coefficient} from RouterGate's `aux_loss` and `aux_loss_coef` arguments."""
+    if aux_loss is None:
+        return {}
+    names = (aux_loss,) if isinstance(aux_loss, str) else aux_loss
+    if not isinstance(names, (tuple, list)) or not names or any(n not in AUX_LOSSES for n in names) \
+            or len(set(names)) != len(names):
+        raise ValueError(f"aux_loss must be None, one of {list(AUX_LOSSES)} or a tuple of distinct ones, "
+                         f"got {aux_loss!r}")
+    if isinstance(aux_loss_coef, dict):
+        if set(aux_loss_coef) != set(names):
+            raise ValueError(f"aux_loss_coef as a dict must give one coefficient for each of {list(names)}, "
+                             f"got {aux_loss_coef!r}")
+        return {n: check_float(f"aux_loss_coef[{n!r}]", aux_loss_coef[n]) for n in names}
+    coef = check_float("aux_loss_coef", aux_loss_coef)
+    return {n: coef for n in names}
 
 
 # Each family's router in transformers 5.24 (`modeling_<family>.py`), as RouterGate options.

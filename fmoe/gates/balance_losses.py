@@ -1,0 +1,64 @@
+"""The published load-balancing losses, as plain functions of one layer's router output.
+
+    switch    transformers' load_balancing_loss_func (Switch Transformer):
+              E * sum_e (top-k slots of softmax(logits) on e / T) * mean_t softmax(logits)[t, e]
+    sequence  DeepSeek-V3's sequence-wise loss (Megatron-Core's "seq_aux_loss"), per sequence of S tokens:
+              f_e = E / (K S) * tokens of the sequence choosing e,  P_e = mean_t s'[t, e],
+              loss = sum_e f_e P_e, averaged over the sequences
+    global    the global-batch loss (Qwen3; Megatron-Core's "global_aux_loss"): E * sum_e f_e P_e with
+              f_e the fraction of top-k slots on e counted over the whole global batch (every
+              data-parallel rank, every micro-batch of the step so far) and P_e this rank's mean s'
+
+s' are the normalised scores Megatron-Core uses for its losses: softmax(logits) for a softmax
+router, sigmoid(logits) divided by their sum over the experts for a sigmoid one; "chosen" for
+the sequence and global losses is the top-k of s' (no selection bias, no group limit).
+"""
+import torch
+
+from fmoe.gates.capacity import count_per_expert
+
+AUX_LOSSES = ("switch", "sequence", "global")
+
+
+def normalised_scores(logits_TE: torch.Tensor, score: str) -> torch.Tensor:
+    if score == "softmax":
+        return torch.softmax(logits_TE, dim=-1)
+    scores_TE = torch.sigmoid(logits_TE)
+    return scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
+
+
+def switch_loss(logits_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    T, E = logits_TE.shape
+    if T == 0:
+        return logits_TE.sum() * 0.0
+    probs_TE = torch.softmax(logits_TE, dim=-1)
+    tokens_E = count_per_expert(torch.topk(probs_TE, top_k, dim=-1).indices, E).to(probs_TE.dtype)
+    return E * torch.sum(tokens_E / T * probs_TE.mean(0))
+
+
+def sequence_loss(scores_SBE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """`scores_SBE`: normalised scores of B sequences of S tokens, laid [S, B, E]."""
+    S, B, E = scores_SBE.shape
+    if S * B == 0:
+        return scores_SBE.sum() * 0.0
+    chosen_SBK = torch.topk(scores_SBE.detach(), top_k, dim=-1).indices
+    tokens_BE = torch.zeros(B, E, dtype=scores_SBE.dtype, device=scores_SBE.device).scatter_add_(
+        1, chosen_SBK.permute(1, 0, 2).reshape(B, S * top_k), torch.ones((B, S * top_k), dtype=scores_SBE.dtype,
+                                                                       device=scores_SBE.device))
+    f_BE = tokens_BE * (E / (top_k * S))
+    P_BE = scores_SBE.mean(0)
+    return (f_BE * P_BE).sum(-1).mean()
+
+
+def chosen_counts(scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Top-k slots of the normalised scores on each expert (what the global loss counts)."""
+    return count_per_expert(torch.topk(scores_TE.detach(), top_k, dim=-1).indices, scores_TE.shape[-1])
+
+
+def global_loss(scores_TE: torch.Tensor, fraction_E: torch.Tensor) -> torch.Tensor:
+    """E * sum_e fraction_E[e] * mean_t scores_TE[t, e], `fraction_E` (slots on e / all slots of the
+    global batch) a constant."""
+    T, E = scores_TE.shape
+    if T == 0:
+        return scores_TE.sum() * 0.0
+    return E * torch.sum(fraction_E.to(scores_TE.dtype) * scores_TE.mean(0))
