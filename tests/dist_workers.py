@@ -77,6 +77,29 @@ def check_layer_matches_single_process(rank, world):
             torch.testing.assert_close(grad, ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} gate {name}: {m}")
 
 
+def check_autocast_matches_single_process(rank, world):
+    """Under bf16 autocast, fp32 input: the rows travel in fp32, the expert outputs come back in
+    bf16; output and gradients as one process holding every expert under autocast."""
+    full, ep = build_pair("naive", 2, 2, world, rank)
+    g = torch.Generator().manual_seed(3)
+    x_all = torch.randn(6 * world, D, generator=g)
+    probe = torch.randn(6 * world, D, generator=g)
+    lo, hi = rank * 6, (rank + 1) * 6
+    x_all.requires_grad_(True)
+    x = x_all.detach()[lo:hi].clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_all, out = full(x_all), ep(x)
+    (out_all.float() * probe).sum().backward()
+    (out.float() * probe[lo:hi]).sum().backward()
+    assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    torch.testing.assert_close(out, out_all[lo:hi], atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(x.grad, x_all.grad[lo:hi], atol=1e-2, rtol=1e-2)
+    for name, p in ep.experts.named_parameters():
+        assert p.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad, getattr(full.experts, name).grad[rank * 2:(rank + 1) * 2],
+                                   atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
 class TinyModel(nn.Module):
     def __init__(self, e, world, group=None):
         super().__init__()
