@@ -226,11 +226,12 @@ class GroupedExperts(nn.Module):
 
     def expert_forward(self, e: int, x_TD):
         """Expert `e` alone on a batch of tokens: the per-token reference uses this."""
+        # Under torch.autocast the products come in its dtype; so do the sums, as nn.Linear's.
         h = x_TD @ self.w1_eDF[e]
         if self.b1_eF is not None:
-            h = h + self.b1_eF[e]
+            h = h + self.b1_eF[e].to(h.dtype)
         y = self.act(h) @ self.w2_eFD[e]
-        return y + self.b2_eD[e] if self.b2_eD is not None else y
+        return y + self.b2_eD[e].to(y.dtype) if self.b2_eD is not None else y
 
     def extra_repr(self):
         act = self.activation if isinstance(self.activation, str) else repr(self.activation)
@@ -267,9 +268,10 @@ class ModuleListExperts(nn.ModuleList):
         # The split sizes are read on the host: under torch.compile this is a graph break.
         counts = counts_e.tolist()
         chunks = torch.split(x_ND, counts + [x_ND.shape[0] - sum(counts)])   # last: rows of dropped slots
-        outs = [self.expert_forward(e, chunk) if chunk.shape[0] else chunk for e, chunk in enumerate(chunks[:-1])]
-        width = next((y.shape[-1] for y in outs if y.shape[0]), x_ND.shape[-1])
-        return torch.cat(outs + [x_ND.new_zeros(chunks[-1].shape[0], width)], dim=0)
+        outs = [self.expert_forward(e, chunk) for e, chunk in enumerate(chunks[:-1]) if chunk.shape[0]]
+        # The experts' width and dtype (under torch.autocast, not the input's) for the dropped rows.
+        like = outs[0] if outs else x_ND
+        return torch.cat(outs + [like.new_zeros(chunks[-1].shape[0], like.shape[-1])], dim=0)
 
     def expert_forward(self, e: int, x_TD):
         if self.with_count[e]:

@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fmoe import kernels
+from fmoe.autocast import autocast_dtype
 from fmoe.distributed import exchange
 from fmoe.distributed.check import check_expert_parallel_config
 from fmoe.distributed.schedule import group_size_from_env, schedule_enabled_by_env, scheduled_experts
@@ -86,6 +87,9 @@ class FMoE(nn.Module):
     Routing runs in fp32; for an fp16 / bf16 input the combine weights are rounded to the input's
     dtype first, as FastMoE's gates return them and transformers' MoE blocks cast them.
     `fp32_combine=True` keeps them fp32 (a little closer to the exact sum, no longer bit-equal to those).
+    Under torch.autocast the layer is as nn.Linear there: the experts' GEMMs (and the shared
+    experts') run in the autocast dtype, which is the output's and the one the combine weights are
+    rounded to; fmoe's gates still route in fp32; the parameters' gradients keep their dtype.
     """
 
     def __init__(self, num_expert=None, d_model=1024, world_size=1, mp_group=None, slice_group=None,
@@ -191,9 +195,11 @@ class FMoE(nn.Module):
             raise ValueError(f"{self.label}: input is on {x.device}, the layer's parameters on "
                              f"{', '.join(sorted(map(str, devices)))}: move one to the other")
         dtypes = {p.dtype for p in params}
-        if dtypes and x.dtype not in dtypes:
+        # Under torch.autocast the GEMMs cast their operands, as nn.Linear's do.
+        if dtypes and x.dtype not in dtypes and autocast_dtype(x) is None:
             raise ValueError(f"{self.label}: input dtype {x.dtype} does not match the layer's parameters' "
-                             f"{', '.join(sorted(map(str, dtypes)))}: cast the input or the layer (layer.to(dtype))")
+                             f"{', '.join(sorted(map(str, dtypes)))}: cast the input or the layer (layer.to(dtype)), "
+                             "or run the model under torch.autocast")
 
     @torch.compiler.disable     # talks to the peers through the process group: not traceable, runs eagerly
     def check_with_peers(self, x):
@@ -245,8 +251,9 @@ class FMoE(nn.Module):
         if hasattr(self.gate, "tokens_layout"):
             self.gate.tokens_layout = (tuple(lead), self.sequence_first)   # where its sequences are
         routing = self.gate.routing(inp) if isinstance(self.gate, BaseGate) else routing_from_fastmoe_gate(self.gate, inp)
-        if not self.fp32_combine and x_TD[0].dtype in (torch.float16, torch.bfloat16):
-            rounded_TK = routing.weight_TK.to(x_TD[0].dtype).to(routing.weight_TK.dtype)
+        expert_dtype = autocast_dtype(x_TD[0]) or x_TD[0].dtype        # what the experts return
+        if not self.fp32_combine and expert_dtype in (torch.float16, torch.bfloat16):
+            rounded_TK = routing.weight_TK.to(expert_dtype).to(routing.weight_TK.dtype)
             routing = dataclasses.replace(routing, weight_TK=rounded_TK)
         if self.gate_hook is not None:
             self.gate_hook(routing.expert_idx_TK, routing.weight_TK, None)

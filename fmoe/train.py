@@ -155,7 +155,7 @@ def imbalance(share_LE: torch.Tensor) -> float:
 
 
 def autocast(device: torch.device):
-    # bf16 autocast where it pays (CUDA); CPU runs plain fp32.
+    # bf16 autocast where it pays (CUDA; the MoE layers' expert GEMMs included); CPU runs plain fp32.
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 

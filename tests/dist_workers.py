@@ -77,6 +77,29 @@ def check_layer_matches_single_process(rank, world):
             torch.testing.assert_close(grad, ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} gate {name}: {m}")
 
 
+def check_autocast_matches_single_process(rank, world):
+    """Under bf16 autocast, fp32 input: the rows travel in fp32, the expert outputs come back in
+    bf16; output and gradients as one process holding every expert under autocast."""
+    full, ep = build_pair("naive", 2, 2, world, rank)
+    g = torch.Generator().manual_seed(3)
+    x_all = torch.randn(6 * world, D, generator=g)
+    probe = torch.randn(6 * world, D, generator=g)
+    lo, hi = rank * 6, (rank + 1) * 6
+    x_all.requires_grad_(True)
+    x = x_all.detach()[lo:hi].clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_all, out = full(x_all), ep(x)
+    (out_all.float() * probe).sum().backward()
+    (out.float() * probe[lo:hi]).sum().backward()
+    assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    torch.testing.assert_close(out, out_all[lo:hi], atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(x.grad, x_all.grad[lo:hi], atol=1e-2, rtol=1e-2)
+    for name, p in ep.experts.named_parameters():
+        assert p.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad, getattr(full.experts, name).grad[rank * 2:(rank + 1) * 2],
+                                   atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
 class TinyModel(nn.Module):
     def __init__(self, e, world, group=None):
         super().__init__()
@@ -360,6 +383,61 @@ def check_dgdp_options(rank, world):
         dist.all_reduce(wide)
         assert g.dtype == local[name].dtype and torch.equal(g, wide.to(g.dtype)), f"fp32_allreduce {name}"
     assert any(g.dtype == torch.bfloat16 for g in fp32.values())
+
+
+def check_dgdp_gradient_accumulation(rank, world, ep_size):
+    """Two SGD steps of 4 micro-batches each equal one process on the global batch, in every mode:
+    auto with no_sync on all but the last micro-batch, auto without it (a reduction after every
+    backward, as torch's DDP), manual once after the last micro-batch and manual after each. Every
+    gradient (expert and shared) of both steps, the second's after the first's update; no warning."""
+    import contextlib
+    import warnings
+    micro, rows = 4, 3
+    groups = make_groups(ep_size)
+    e = 4 // ep_size
+    ep_rank = rank % ep_size
+    pairs = batches(2 * micro, rows * world)
+    data = [pairs[:micro], pairs[micro:]]
+    torch.manual_seed(1)
+    full = TinyModel(4, 1)
+    start = copy.deepcopy(full)
+    whole = contextlib.nullcontext
+    single = accumulate(full, full, data, 0, rows * world, world, lambda last: whole(), lambda: None, lambda: None)
+    nothing = lambda: None  # noqa: E731
+    for mode in ("auto_no_sync", "auto", "manual", "manual_each"):
+        model = TinyModel(e, ep_size, groups.moe_group)
+        copy_into_ep(start, model, ep_rank, e)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            wrapped = DistributedGroupedDataParallel(model, groups=groups, auto_allreduce=mode.startswith("auto"))
+            context = (lambda last: whole() if last else wrapped.no_sync()) if mode == "auto_no_sync" \
+                else (lambda last: whole())
+            got = accumulate(wrapped, model, data, rank * rows, (rank + 1) * rows, 1, context,
+                             wrapped.allreduce_params if mode == "manual_each" else nothing,
+                             wrapped.allreduce_params if mode == "manual" else nothing)
+        for step, (grads, ref) in enumerate(zip(got, single)):
+            for name, p in model.named_parameters():
+                expect = ref[name][ep_rank * e:(ep_rank + 1) * e] if getattr(p, "is_moe_expert", False) else ref[name]
+                torch.testing.assert_close(grads[name], expect, atol=1e-6, rtol=1e-5,
+                                           msg=lambda m: f"{mode} ep{ep_size} rank{rank} step{step} {name}: {m}")
+
+
+def accumulate(step_model, model, data, lo, hi, chunks, micro_batch_context, after_backward, after_last):
+    """SGD steps, each over its micro-batches (the loss of one: the mean of `chunks` per-chunk means
+    over rows lo:hi, divided by the number of micro-batches); each step's gradients, before the update."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for step, micro_batches in enumerate(data):
+        opt.zero_grad(set_to_none=step % 2 == 0)       # both ways of clearing a gradient
+        for m, (x, y) in enumerate(micro_batches):
+            with micro_batch_context(m == len(micro_batches) - 1):
+                err = ((step_model(x[lo:hi]) - y[lo:hi]) ** 2).view(chunks, -1).mean(1).mean()
+                (err / len(micro_batches)).backward()
+            after_backward()
+        after_last()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    return grads
 
 
 class _NoSync(nn.Module):

@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fmoe.train
 from fmoe.cli import main
 from fmoe.data import BatchSampler, load_corpus
 from fmoe.gpt import GPT, GPTConfig
-from fmoe.layer import collect_aux_loss
+from fmoe.layer import FMoE, collect_aux_loss
 from fmoe.train import lr_at
 
 TINY_MODEL = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--num-expert", "4",
@@ -105,6 +106,22 @@ def test_train_writes_checkpoint_history_plot_and_resumes(corpus_file, tmp_path,
     assert resumed["step"] == list(range(1, 9)) and resumed["loss"][:5] == history["loss"]
     assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 8
 
+
+
+def test_train_under_the_gpu_path_bf16_autocast(corpus_file, tmp_path, monkeypatch):
+    """fmoe train's GPU path, bf16 autocast, here on the CPU: the MoE layers run in bf16 in every
+    forward (training, validation, sampling) and the run trains."""
+    monkeypatch.setattr(fmoe.train, "autocast", lambda device: torch.autocast(device.type, dtype=torch.bfloat16))
+    dtypes = set()
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: dtypes.add(out.dtype) if isinstance(module, FMoE) else None)
+    try:
+        assert run_train(corpus_file, tmp_path / "run", 3) == 0
+    finally:
+        handle.remove()
+    assert dtypes == {torch.bfloat16}
+    history = json.loads((tmp_path / "run" / "history.json").read_text())
+    assert all(torch.isfinite(torch.tensor(history["loss"]))) and len(history["val_loss"]) == 1
 
 
 def test_interrupted_run_resumes_where_it_stopped(corpus_file, tmp_path, monkeypatch):

@@ -6,7 +6,10 @@ all-reduced over the world; expert parameters already hold the sum over their ex
 group (the backward exchange brought it) and are all-reduced over the ranks holding the same
 experts only, never over the expert-parallel ranks.
 """
+import contextlib
+import functools
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -109,6 +112,12 @@ class DistributedGroupedDataParallel(nn.Module):
     training equals one process on the global batch: the experts of expert-parallel layers
     (whatever their tag) are all-reduced over the ranks holding the same experts and divided by the
     world size, and those of single-rank layers (replicated everywhere) averaged over the world.
+
+    Gradient accumulation, as with torch's DDP: run the forward and backward of every micro-batch
+    but the last inside `with model.no_sync():`, so that `auto_allreduce` reduces once, after the
+    last backward; or call `allreduce_params()` once after the last micro-batch. Reducing after
+    every micro-batch gives the same gradients, with more communication: a gradient that was
+    reduced comes through a later reduction unchanged, and only what was added since is reduced.
     """
 
     def __init__(self, module: nn.Module, auto_allreduce: bool = False, need_sync: bool = True,
@@ -130,7 +139,10 @@ class DistributedGroupedDataParallel(nn.Module):
             self.comms.setdefault(tag, None)        # None: the default (whole-world) group
         self.fmoe_scaling = "expert_dp" in self.comms
         self.auto_allreduce = auto_allreduce
+        self.require_backward_grad_sync = True      # torch DDP's name; False inside no_sync()
         self._reduce_queued = False
+        # (parameter, its reduced gradient, that gradient's version, carry) from the last reduction
+        self._reduced: List[Tuple[nn.Parameter, weakref.ref, int, float]] = []
         if not self.fmoe_scaling:
             _warn_unsynced_replicas(module)
         if need_sync:
@@ -175,11 +187,14 @@ class DistributedGroupedDataParallel(nn.Module):
     def allreduce_params(self, no_scale: bool = False, reduce_after: bool = False, fp32_allreduce: bool = False):
         """All-reduce every bucket's gradients over its group, divided by the group's size (the
         world's for fmoe's sharded experts): before the reduction, or after it with
-        `reduce_after`; not at all with `no_scale`. `fp32_allreduce` reduces lower precisions in fp32."""
+        `reduce_after`; not at all with `no_scale`. `fp32_allreduce` reduces lower precisions in fp32.
+        `no_sync()` does not apply here: a call always reduces."""
         self._reduce_queued = False
+        self._carry_reduced()
         for (tag, dtype), params in self.buckets(with_grad=True).items():
             group = self._group_of(tag)
-            divisor = dist.get_world_size() if tag == SHARDED_EXPERTS else dist.get_world_size(group)
+            group_size = dist.get_world_size(group)
+            divisor = dist.get_world_size() if tag == SHARDED_EXPERTS else group_size
             grads = [p.grad for p in params]
             flat = _flatten_dense_tensors(grads)
             if fp32_allreduce and dtype != torch.float32:
@@ -192,21 +207,50 @@ class DistributedGroupedDataParallel(nn.Module):
                 flat /= divisor
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
+            # A reduced gradient is equal over the group; multiplied by `carry`, the same reduction
+            # gives it back, so a later one reduces only what is added to it (accumulation).
+            carry = (1 if no_scale else divisor) / group_size
+            if carry != 1:
+                self._reduced.extend((p, weakref.ref(p.grad), p.grad._version, carry) for p in params)
 
     allreduce_gradients = allreduce_params      # FastMoE's other name for it
 
+    @torch.no_grad()
+    def _carry_reduced(self):
+        """Scale the gradients the last reduction left, untouched since, by their carry: called
+        before anything is added to them (a backward starts) or they are reduced again."""
+        for p, reduced, version, carry in self._reduced:
+            if p.grad is not None and p.grad is reduced() and p.grad._version == version:
+                p.grad.mul_(carry)
+        self._reduced = []
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """torch DDP's `no_sync`: the backward of a forward run inside it leaves the gradients to
+        accumulate locally; with `auto_allreduce`, the first backward of a forward run outside it
+        reduces everything accumulated."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
     def forward(self, *args, **kwargs):
         out = self.module(*args, **kwargs)
-        if self.auto_allreduce and torch.is_grad_enabled():
-            first = next((t for t in _tensors(out) if t.requires_grad), None)
-            if first is not None:
-                first.register_hook(self._queue_allreduce)
+        if torch.is_grad_enabled():
+            # Decided at the forward, as torch's DDP does.
+            reduce = self.auto_allreduce and self.require_backward_grad_sync
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(functools.partial(self._backward_reached_output, reduce))
         return out
 
-    def _queue_allreduce(self, grad):
-        # Once per backward, after every gradient is accumulated.
-        if not self._reduce_queued:
-            self._reduce_queued = True
+    def _backward_reached_output(self, reduce: bool, grad):
+        # No gradient of the module's parameters is accumulated before the backward reaches an output.
+        self._carry_reduced()
+        if reduce and not self._reduce_queued:
+            self._reduce_queued = True      # once per backward, after every gradient is accumulated
             torch.autograd.Variable._execution_engine.queue_callback(self.allreduce_params)
         return grad
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fmoe.autocast import autocast_off
 from fmoe.gates.capacity import drop_over_capacity, expert_capacity
 
 CapacityArg = Optional[Union[float, Tuple[float, float]]]
@@ -253,7 +254,7 @@ class BaseGate(nn.Module):
 
 class LinearRouter(nn.Module):
     """The router projection d_model -> experts (`proj.weight` [E, D]). It computes in fp32, or
-    in the input's precision when higher, and keeps its parameters at least fp32."""
+    in the input's precision when higher, under torch.autocast too, and keeps its parameters at least fp32."""
 
     def __init__(self, d_model: int, tot_expert: int, bias: bool = True):
         super().__init__()
@@ -272,7 +273,8 @@ class LinearRouter(nn.Module):
         w = self.proj.weight
         dtype = routing_dtype(x_TD.dtype, w.dtype)
         b = self.proj.bias
-        return F.linear(x_TD.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+        with autocast_off(x_TD):        # autocast would round the logits to 16 bits
+            return F.linear(x_TD.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
 
     def _apply(self, fn, *args, **kwargs):
         return super()._apply(keep_at_least_fp32(fn), *args, **kwargs)

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fmoe.autocast import autocast_off
 from fmoe.gates.base import BaseGate, check_float, routing_dtype
 
 
@@ -36,13 +37,14 @@ class NoisyGate(BaseGate):
     def route(self, x_TD):
         dtype = routing_dtype(x_TD.dtype, self.w_gate.dtype)
         x_TD = x_TD.to(dtype)
-        clean_TE = x_TD @ self.w_gate.to(dtype)
         noisy = self.training
-        if noisy:
-            noise_std_TE = F.softplus(x_TD @ self.w_noise.to(dtype)) + self.noise_epsilon
-            logits_TE = clean_TE + torch.randn_like(clean_TE) * noise_std_TE
-        else:
-            logits_TE = clean_TE
+        with autocast_off(x_TD):        # the logits in fp32 under torch.autocast too
+            clean_TE = x_TD @ self.w_gate.to(dtype)
+            if noisy:
+                noise_std_TE = F.softplus(x_TD @ self.w_noise.to(dtype)) + self.noise_epsilon
+                logits_TE = clean_TE + torch.randn_like(clean_TE) * noise_std_TE
+            else:
+                logits_TE = clean_TE
         k = self.top_k
         n_top = min(k + 1, self.tot_expert)
         top_logits, top_idx = torch.topk(logits_TE, n_top, dim=-1)

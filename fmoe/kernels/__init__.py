@@ -5,12 +5,15 @@ environment variable `FMOE_BACKEND=torch|triton` force one. Every op is an `fmoe
 (`fmoe.kernels.ops`), so `torch.compile` traces through it. The torch backend runs *sync-free*
 (counts never read on the host) under torch.compile, on CUDA tensors, or with FMOE_SYNC_FREE=1;
 otherwise, on the CPU in eager mode, it loops over host counts where that is faster.
+Under torch.autocast the GEMMs run as nn.Linear's do there (`like_linear_under_autocast`).
 """
+import functools
 import os
 from typing import Optional
 
 import torch
 
+from fmoe.autocast import autocast_dtype
 from fmoe.env import env_choice
 from fmoe.kernels import torch_ops
 from fmoe.routing import RoutingPlan
@@ -80,6 +83,23 @@ def _triton(tensor, backend) -> bool:
     return resolve_backend(tensor, backend) == "triton"
 
 
+def like_linear_under_autocast(gemm):
+    """Under torch.autocast, `gemm(x, ...)` runs as nn.Linear does there: x and the other floating
+    operands cast to the autocast dtype (their gradients flow back in their own dtypes), the
+    product in that dtype, autocast off inside (the ops' bodies must not cast again)."""
+    @functools.wraps(gemm)
+    def run(x, *args, **kwargs):
+        dtype = autocast_dtype(x)
+        if dtype is None:
+            return gemm(x, *args, **kwargs)
+
+        def cast(a):
+            return a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+        with torch.autocast(x.device.type, enabled=False):
+            return gemm(cast(x), *map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
+    return run
+
+
 def permute(x_TD: torch.Tensor, plan: RoutingPlan, backend: Optional[str] = None) -> torch.Tensor:
     """Rows of `x_TD` in expert order: row n is token `plan.token_N[n]`."""
     if _triton(x_TD, backend):
@@ -97,6 +117,7 @@ def unpermute(y_ND: torch.Tensor, plan: RoutingPlan, weight_TK: torch.Tensor,
     return torch_ops.unpermute(y_ND, plan, weight_TK, sync_free(y_ND))
 
 
+@like_linear_under_autocast
 def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
                bias_eO: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
     """Rows sorted by expert, `counts_e[e]` of them for expert e: y = x_seg @ w_eIO[e] + bias_eO[e].
@@ -109,6 +130,7 @@ def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
     return torch_ops.grouped_mm(x_NI, w_eIO, counts_e, bias_eO, sync_free(x_NI))
 
 
+@like_linear_under_autocast
 def gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
                       row_of_slot_TK: torch.Tensor, bias_eO: Optional[torch.Tensor] = None,
                       backend: Optional[str] = None) -> torch.Tensor:
@@ -131,6 +153,7 @@ def fused_expert_mlp_applies(x_ND: torch.Tensor, activation, backend: Optional[s
             and torch_ops.fused_activation_ok(activation))
 
 
+@like_linear_under_autocast
 def fused_expert_mlp(x_ND, counts_e, activation: str, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
     """act(x_seg @ w1[e] + b1[e]) @ w2[e] + b2[e], expert by expert (CPU, torch backend); `activation`
     is a spec string (`fmoe.experts.fused_activation_spec`)."""
