@@ -78,8 +78,13 @@ def remove_stale_temporaries(folder: Path):
             pass
 
 
+def fault(code: int) -> str:
+    """What an errno means to someone whose write failed."""
+    return "disk full (ENOSPC)" if code == errno.ENOSPC else os.strerror(code)
+
+
 def write_error(path: Path, err: OSError) -> WriteError:
-    reason = "disk full (ENOSPC)" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+    reason = fault(err.errno) if err.errno else str(err)
     return WriteError(err.errno, f"could not write {path}: {reason}; {path} is unchanged")
 
 

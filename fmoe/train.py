@@ -362,7 +362,7 @@ class Trainer:
         source = self.checkpoint_source()
         if source.is_dir() or not source.suffix:
             folder = checkpoints.load_folder(source.parent, source)
-            state = checkpoints.read_torch(folder / "trainer.pt")
+            state = checkpoints.read_torch(folder / checkpoints.TRAINER_FILE)
             rng_path = folder / f"rng-rank{self.rank}.pt"
             if rng_path.exists():
                 state.update(checkpoints.read_torch(rng_path))
@@ -444,7 +444,7 @@ class Trainer:
             sharded.save_checkpoint(str(folder), self.model, self.optimizer)
             save_torch(folder / f"rng-rank{self.rank}.pt", self.random_states())
             if self.rank == 0:
-                save_torch(folder / "trainer.pt", {"model_config": asdict(self.model_cfg),
+                save_torch(folder / checkpoints.TRAINER_FILE, {"model_config": asdict(self.model_cfg),
                                                    "train_config": asdict(self.cfg), "step": self.step,
                                                    "history": self.history})
         except OSError as err:
