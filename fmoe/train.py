@@ -18,7 +18,7 @@ from fmoe.distributed import checkpoint as sharded
 from fmoe.distributed.ddp import DistributedGroupedDataParallel, clip_grad_norm_
 from fmoe.distributed.groups import make_groups
 from fmoe.distributed.timeout import collective_timeout
-from fmoe.files import WriteError, save_figure, save_torch, write_json
+from fmoe.files import WriteError, check_writable_folder, save_figure, save_torch, write_json
 from fmoe.gpt import GPT, GPTConfig
 from fmoe.layer import collect_aux_loss
 
@@ -305,7 +305,7 @@ class Trainer:
         self.world = dist.get_world_size() if self.groups else 1
         self.log = log if self.rank == 0 else (lambda message: None)
         self.device = resolve_device(cfg.device)
-        self.out = Path(cfg.out)
+        self.out = check_writable_folder(cfg.out, "--out")      # before any step, not at the first save
         self.fault = parse_fault(os.environ.get("FMOE_FAULT"))
         # One file in one process; sharded step folders (resharding on load) on several. Either resumes either.
         self.file_path, self.folder_root = self.out / "checkpoint.pt", self.out / "checkpoint"

@@ -2,7 +2,6 @@
 Every failure is one line naming the file and the fault, and leaves DST as it was."""
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,9 +17,8 @@ from fmoe.distributed.checkpoint import save_checkpoint
 from fmoe.files import save_torch
 from tests.hf_models import tiny
 from tests.test_convert import Block, model_tensors
+from tests.fs_utils import in_user_namespace, needs_tmpfs
 from tests.test_fault_train import FullDisk
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -180,16 +178,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_file(sources, tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
 
 
-def can_mount_a_tmpfs() -> bool:
-    probe = "d=$(mktemp -d) && mount -t tmpfs -o size=16k tmpfs $d && umount $d"
-    try:
-        return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", probe],
-                              capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-@pytest.mark.skipif(not can_mount_a_tmpfs(), reason="needs unshare and a user namespace to mount a small tmpfs")
+@needs_tmpfs
 @pytest.mark.parametrize("source,to", [("fmoe", "megatron"), ("mcore", "fmoe"), ("hf_fmoe", "hf")])
 def test_a_really_full_disk_is_one_line_and_leaves_dst_as_it_was(sources, tmp_path, source, to):
     """A 16 KiB tmpfs (mounted in a user namespace) holding DST: torch's zip writer, torch.distributed.checkpoint
@@ -201,9 +190,7 @@ def test_a_really_full_disk_is_one_line_and_leaves_dst_as_it_was(sources, tmp_pa
     script = (f"mount -t tmpfs -o size=16k tmpfs {disk} && mkdir {disk}/dst && echo old > {disk}/dst/kept && "
               f"{sys.executable} -m fmoe.cli convert {sources / source} {disk}/dst --to {to} --overwrite; "
               f"echo status=$?; ls -A {disk}; cat {disk}/dst/kept")
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    result = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
-                            capture_output=True, text=True, timeout=300, env=env)
+    result = in_user_namespace(script)
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert "fmoe convert: error: " in result.stderr and f"{disk}/dst" in result.stderr
     assert "disk full (ENOSPC)" in result.stderr, result.stderr
