@@ -487,7 +487,7 @@ def staging_folder(dst: str):
         staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(dst))}.convert.", dir=parent)
         yield staging
     except (Exception, CheckpointException) as err:       # DCP's is a BaseException
-        code = errno_under(err)
+        code = None if isinstance(err, ValueError) else errno_under(err)      # a ValueError says more itself
         if code is None:
             raise
         raise WriteError(code, f"could not write {dst}: {fault(code)}; {dst} is unchanged") from err
