@@ -24,6 +24,7 @@ from fmoe.files import save_torch, sha256_file, write_json, write_text
 
 FORMAT = "fmoe-train-checkpoint/1"
 MANIFEST = "manifest.json"
+TRAINER_FILE = "trainer.pt"
 LATEST = "latest"
 
 
@@ -64,6 +65,13 @@ def describe_fallback(previous: Optional[Path]) -> str:
     return f"the previous good checkpoint is {previous}; resume from it with --resume-from {previous}"
 
 
+def unreadable(what: str, path, reader: str, err: BaseException) -> CheckpointError:
+    """The error for a file that `reader` cannot parse: the file, and the first line of the reader's error."""
+    first_line = (str(err).splitlines() or [type(err).__name__])[0]
+    return CheckpointError(f"{what} {path} is truncated or corrupt: {reader} cannot read it "
+                           f"({type(err).__name__}: {first_line[:200]})")
+
+
 def read_torch(path: Path, what: str = "checkpoint") -> dict:
     """torch.load with one clear error for a missing, empty, truncated or unreadable file."""
     if not path.exists():
@@ -73,9 +81,7 @@ def read_torch(path: Path, what: str = "checkpoint") -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:        # zip, pickle and EOF errors all mean the same thing here
-        first_line = (str(err).splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"{what} {path} is truncated or corrupt: torch cannot read it "
-                              f"({type(err).__name__}: {first_line[:200]})") from err
+        raise unreadable(what, path, "torch", err) from err
     if not isinstance(state, dict):
         raise CheckpointError(f"{what} {path} is not an fmoe checkpoint (it holds a {type(state).__name__})")
     return state

@@ -36,9 +36,12 @@ def add_train_args(p: argparse.ArgumentParser):
     g.add_argument("--batch-size", type=int, default=run.batch_size, help="sequences per step (default: %(default)s)")
     g.add_argument("--lr", type=float, default=run.lr,
                    help="peak learning rate: linear warmup, then cosine decay (default: %(default)s)")
-    g.add_argument("--data", default=None, help="a text file or a folder of them (default: the Python stdlib)")
+    g.add_argument("--data", default=None,
+                   help="a text file, or a folder whose text files are read (binary files, those with a NUL byte in "
+                        "their first 8 KiB, never are) (default: the Python stdlib)")
     g.add_argument("--out", default=run.out,
-                   help="folder for checkpoint.pt, history.json, training.png (default: %(default)s)")
+                   help="folder for checkpoint.pt, history.json, training.png, created and checked for writing "
+                        "before training starts (default: %(default)s)")
     g.add_argument("--seed", type=int, default=run.seed,
                    help="seeds the init, the batches and the gates' noise (default: %(default)s)")
     g.add_argument("--device", default=run.device,
@@ -117,7 +120,8 @@ def relaunch_with_torchrun(nproc: int) -> int:
 
 
 def check_train_args(args):
-    """What argparse cannot see: finite floats, and process counts that fit together."""
+    """What argparse cannot see, checked before any process starts: finite floats, process and expert counts
+    that fit together, and an --out folder that can be written."""
     import math
 
     for name in ("aux_coef", "lr"):
@@ -136,6 +140,13 @@ def check_train_args(args):
     if args.nproc == 1 and args.ep_size > 1 and not launched_by_torchrun():
         raise ValueError(f"--ep-size {args.ep_size} needs several processes: add --nproc {args.ep_size} "
                          "(or a multiple of it)")
+    # A resumed run takes its expert count from the checkpoint; an --hf-model run from the model.
+    if args.hf_model is None and not (args.resume or args.resume_from) and args.num_expert % args.ep_size:
+        raise ValueError(f"--num-expert {args.num_expert} (experts per MoE layer in all) must be a multiple of "
+                         f"--ep-size {args.ep_size}, which spreads them evenly over its ranks")
+    from fmoe.files import check_writable_folder
+
+    check_writable_folder(args.out, "--out")
 
 
 # The GPT's options, which an --hf-model run (its model from the checkpoint, no checkpoints of its own) refuses.
@@ -179,14 +190,7 @@ def run_train(args):
         defaults = argparse.ArgumentParser()
         add_train_args(defaults)
         check_hf_args(args, vars(defaults.parse_args([])))
-    if args.nproc != 1 and not launched_by_torchrun():
-        return relaunch_with_torchrun(args.nproc)
-    if args.keep_freed_memory:          # each rank, before the model's first allocation
-        from fmoe import cpu_memory
-        cpu_memory.keep_freed_memory()
-    if args.hf_model is not None:
-        return run_hf_train(args)
-
+    # Built (and so checked) before the ranks start: a bad value is one line here, not one per rank.
     model_cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, n_head=args.heads,
                           num_expert=args.num_expert, top_k=args.top_k, gate=args.gate, d_hidden=args.d_hidden,
                           aux_coef=args.aux_coef)
@@ -194,6 +198,13 @@ def run_train(args):
                       data=args.data, out=args.out, resume=args.resume, ep_size=args.ep_size,
                       save_every=args.save_every, keep=args.keep, resume_from=args.resume_from,
                       compile=args.compile)
+    if args.nproc != 1 and not launched_by_torchrun():
+        return relaunch_with_torchrun(args.nproc)
+    if args.keep_freed_memory:          # each rank, before the model's first allocation
+        from fmoe import cpu_memory
+        cpu_memory.keep_freed_memory()
+    if args.hf_model is not None:
+        return run_hf_train(args)
     try:
         r = train(cfg, model_cfg, progress=not args.no_progress)
     except Interrupted:

@@ -20,17 +20,33 @@ HuggingFace's layouts.
 Every other model tensor keeps its name. Optimizer states are not converted (the count is reported).
 The expert tensors read and written are counted and must agree; a layer missing an expert's tensor
 is an error, never a silent drop.
+
+SRC is checked before anything is written: a `fmoe train` step folder against its manifest's SHA-256
+checksums (the check `--resume` makes), every DCP shard against the sizes its `.metadata` records,
+every safetensors file's header, and a Megatron checkpoint's rank folders by their names (its router
+says how many experts a layer has, so a missing rank folder is named, never a smaller model). DST is
+written into a staging folder beside it and renamed into place once whole: an existing non-empty DST
+is refused unless `overwrite` (then it is replaced whole), and any failure leaves DST as it was.
 """
 import argparse
 import contextlib
+import errno
 import os
 import re
+import shutil
+import tempfile
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fmoe import checkpoints
+from fmoe.checkpoints import CheckpointError, unreadable
+from fmoe.files import UMASK, WriteError, fault, fsync_dir, save_torch, write_text
 
 FORMATS = ("fmoe", "megatron", "hf")
 LAYOUTS = ("sequential", "grouped")
@@ -38,6 +54,9 @@ FMOE_EXPERT = re.compile(r"^(?P<layer>.+)\.experts\.(?P<param>w1_eDF|w2_eFD|b1_e
 USER_EXPERT = re.compile(r"\.experts\.\d+\.")     # a user expert module's tensor, by global id
 MEGATRON_FILE = "model_optim_rng.pt"
 LATEST = "latest_checkpointed_iteration.txt"
+MEGATRON_RANK = re.compile(r"mp_rank_00(_(?P<ep>\d{3}))?")
+# Router tensors whose size says how many experts a Megatron MoE layer has in all: tensor -> that dimension.
+ROUTER_EXPERT_DIM = {"weight": 0, "fmoe_gate.w_gate": 1}
 HF_CONFIG = "config.json"
 # fmoe's per-expert tensor <-> Megatron's, and whether it is stored transposed.
 TO_MEGATRON = {"w1_eDF": ("linear_fc1.weight", True), "b1_eF": ("linear_fc1.bias", False),
@@ -90,6 +109,8 @@ def single_process():
 
 
 def read(path: str) -> MoECheckpoint:
+    if any(os.path.isfile(os.path.join(path, name)) for name in (checkpoints.MANIFEST, checkpoints.TRAINER_FILE)):
+        checkpoints.verify_folder(Path(path))       # a `fmoe train` step folder: every file against its checksum
     if os.path.isfile(os.path.join(path, ".metadata")):
         ckpt = read_fmoe(path)
     elif os.path.isfile(os.path.join(path, LATEST)):
@@ -127,15 +148,39 @@ def read_fmoe(path: str) -> MoECheckpoint:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:        # pickle's and EOF errors of a damaged file
+        raise unreadable("checkpoint metadata", os.path.join(path, ".metadata"), "pickle", err) from err
+    check_shard_sizes(path, metadata.storage_data)
+    stored = metadata.state_dict_metadata
     tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()
                if k.startswith("model/") and isinstance(m, TensorStorageMetadata)}
     if not tensors:
         raise ValueError(f"SRC {path!r}: no model/ tensors in this checkpoint")
-    with single_process():
-        dcp.load(tensors, checkpoint_id=path, no_dist=True)
+    try:
+        with single_process():
+            dcp.load(tensors, checkpoint_id=path, no_dist=True)
+    except CheckpointException as err:
+        cause = next(iter(err.failures.values()))[0]
+        raise unreadable("checkpoint", path, "torch.distributed.checkpoint", cause) from err
     return add_tensors(MoECheckpoint(skipped=len(stored) - len(tensors)),
                        {key[len("model/"):]: t for key, t in tensors.items()}, path)
+
+
+def check_shard_sizes(path: str, storage_data: dict):
+    """Each shard file holds at least the bytes the metadata places in it (DCP reads them without checking)."""
+    ends = defaultdict(int)
+    for info in storage_data.values():
+        ends[info.relative_path] = max(ends[info.relative_path], info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            raise CheckpointError(f"checkpoint shard {shard} is missing")
+        size = os.path.getsize(shard)
+        if size < end:
+            raise CheckpointError(f"checkpoint shard {shard} is truncated: {size} bytes, its .metadata places "
+                                  f"data up to byte {end}")
 
 
 def write_fmoe(ckpt: MoECheckpoint, path: str) -> int:
@@ -194,27 +239,55 @@ def write_megatron(ckpt: MoECheckpoint, path: str, ep_size: int = 1, layout: str
     folder = os.path.join(path, "iter_0000000")
     for r, state in enumerate(ranks):
         rank_dir = os.path.join(folder, "mp_rank_00" if ep_size == 1 else f"mp_rank_00_{r:03d}")
-        os.makedirs(rank_dir, exist_ok=True)
-        torch.save({"model": state, "checkpoint_version": 3.0, "iteration": 0}, os.path.join(rank_dir, MEGATRON_FILE))
-    with open(os.path.join(path, LATEST), "w") as f:
-        f.write("0")
+        save_torch(os.path.join(rank_dir, MEGATRON_FILE), {"model": state, "checkpoint_version": 3.0, "iteration": 0})
+    write_text(os.path.join(path, LATEST), "0")
     save_hf_config(ckpt, path)
     return written
 
 
-def read_megatron(path: str) -> MoECheckpoint:
-    with open(os.path.join(path, LATEST)) as f:
-        folder = os.path.join(path, f"iter_{int(f.read().strip()):07d}")
-    dirs = sorted(d for d in os.listdir(folder) if d.startswith("mp_rank_")) if os.path.isdir(folder) else []
-    if not dirs:
-        raise ValueError(f"SRC {path!r}: no mp_rank_* folders in {folder}")
-    if any(not re.fullmatch(r"mp_rank_00(_\d{3})?", d) for d in dirs):
-        raise ValueError(f"SRC {path!r}: {dirs} include tensor- or pipeline-parallel ranks; only expert-parallel "
+def megatron_iteration_folder(path: str) -> str:
+    """The folder `latest_checkpointed_iteration.txt` names: `iter_<7 digits>`, or `release` (Megatron's name
+    for a checkpoint outside training)."""
+    latest = os.path.join(path, LATEST)
+    with open(latest, errors="replace") as f:
+        iteration = f.read().strip()
+    if iteration == "release":
+        return os.path.join(path, "release")
+    if not iteration.isdigit():
+        raise CheckpointError(f"{latest} holds {iteration[:40]!r}: expected an iteration number or 'release'")
+    return os.path.join(path, f"iter_{int(iteration):07d}")
+
+
+def megatron_rank_folders(folder: str) -> Dict[int, str]:
+    """Expert-parallel rank -> its folder, numbered by the folder names, which must run 0..W-1."""
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{folder}, the folder {LATEST} names, does not exist")
+    names = sorted(d for d in os.listdir(folder) if d.startswith("mp_rank_"))
+    if not names:
+        raise CheckpointError(f"no mp_rank_* folders in {folder}")
+    matches = {d: MEGATRON_RANK.fullmatch(d) for d in names}
+    if not all(matches.values()):
+        raise ValueError(f"{folder}: {names} include tensor- or pipeline-parallel ranks; only expert-parallel "
                          "shards (mp_rank_00[_<ep rank>]) convert")
-    states = [torch.load(os.path.join(folder, d, MEGATRON_FILE), map_location="cpu", weights_only=True)["model"]
-              for d in dirs]
-    ckpt = MoECheckpoint()
-    for ep_rank, state in enumerate(states):
+    if len(names) > 1 and "mp_rank_00" in names:
+        raise CheckpointError(f"{folder} mixes mp_rank_00 (no expert parallelism) with {names[1:4]}")
+    ranks = {int(m["ep"] or 0): d for d, m in matches.items()}
+    missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+    if missing:
+        raise CheckpointError(f"{folder}: expert-parallel rank folder(s) "
+                              f"{', '.join(f'mp_rank_00_{r:03d}' for r in missing)} missing")
+    return ranks
+
+
+def read_megatron(path: str) -> MoECheckpoint:
+    folder = megatron_iteration_folder(path)
+    ranks = megatron_rank_folders(folder)
+    ckpt, local_counts, num_experts = MoECheckpoint(), defaultdict(dict), {}     # layer -> {rank: local experts}
+    for ep_rank, name in sorted(ranks.items()):
+        where = os.path.join(folder, name, MEGATRON_FILE)
+        state = checkpoints.read_torch(Path(where), "Megatron rank file").get("model")
+        if not isinstance(state, dict):
+            raise CheckpointError(f"Megatron rank file {where} holds no 'model' state dict")
         local = defaultdict(set)
         for key in state:
             match = SEQUENTIAL.match(key) or GROUPED.match(key)
@@ -225,10 +298,11 @@ def read_megatron(path: str) -> MoECheckpoint:
             if match:
                 param, transposed = FROM_MEGATRON[match["param"]]
                 g = ep_rank * len(local[match["layer"]]) + int(match["i"])
-                ckpt.add_expert(f"{match['layer']}.moe", param, g, tensor.t() if transposed else tensor,
-                                os.path.join(folder, dirs[ep_rank]))
+                ckpt.add_expert(f"{match['layer']}.moe", param, g, tensor.t() if transposed else tensor, where)
                 continue
             prefix, sep, rest = key.partition(".router.")
+            if sep and rest in ROUTER_EXPERT_DIM:
+                num_experts[f"{prefix}.moe"] = tensor.shape[ROUTER_EXPERT_DIM[rest]]
             if sep:
                 rest = {"weight": "gate.proj.weight", "bias": "gate.proj.bias"}.get(rest, rest[len("fmoe_gate."):])
                 key = f"{prefix}.moe.gate.{rest}"
@@ -236,7 +310,30 @@ def read_megatron(path: str) -> MoECheckpoint:
                 ckpt.dense[key] = tensor
             elif key not in ckpt.dense:
                 raise ValueError(f"SRC {path!r}: {key} is on expert-parallel rank {ep_rank} but not on rank 0")
+        for layer, ids in local.items():
+            local_counts[f"{layer}.moe"][ep_rank] = len(ids)
+    for layer, counts in local_counts.items():
+        check_megatron_experts(folder, layer, counts, num_experts.get(layer), len(ranks))
     return ckpt
+
+
+def check_megatron_experts(folder: str, layer: str, counts: Dict[int, int], num_experts: Optional[int],
+                           num_ranks: int):
+    """Every rank folder holds as many of `layer`'s experts as the first, and as many as the router routes to
+    (`num_experts`, where it says) are there: a missing last rank folder leaves fewer."""
+    local = counts.get(0, 0)
+    uneven = {r: n for r, n in counts.items() if n != local}
+    if uneven or len(counts) != num_ranks:
+        raise CheckpointError(f"{folder}: layer {layer} has {local} local experts in rank folder 0, but "
+                              f"{uneven or 'none in some of the others'}")
+    if num_experts is None or num_experts == local * num_ranks:
+        return
+    missing = ""
+    if num_experts % local == 0 and num_experts // local > num_ranks:
+        missing = "; expert-parallel rank folder(s) {} missing".format(
+            ", ".join(f"mp_rank_00_{r:03d}" for r in range(num_ranks, num_experts // local)))
+    raise CheckpointError(f"{folder}: layer {layer}'s router has {num_experts} experts, its {num_ranks} rank "
+                          f"folder(s) hold {local * num_ranks}{missing}")
 
 
 def read_hf(path: str) -> MoECheckpoint:
@@ -246,6 +343,7 @@ def read_hf(path: str) -> MoECheckpoint:
     import fmoe.hf
     from fmoe.distributed.checkpoint import checkpoint_state
 
+    check_safetensors(path)
     model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto", output_loading_info=True)
     wrong = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if wrong:
@@ -256,6 +354,19 @@ def read_hf(path: str) -> MoECheckpoint:
     ckpt = add_tensors(MoECheckpoint(), state, path)
     ckpt.hf_config = model.config
     return ckpt
+
+
+def check_safetensors(path: str):
+    """Each *.safetensors file's header parses and its data is all there."""
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(path, name), "pt"):
+                    pass
+            except Exception as err:        # safetensors' one error class, for any damage
+                raise unreadable("model file", os.path.join(path, name), "safetensors", err) from err
 
 
 def write_hf(ckpt: MoECheckpoint, path: str) -> int:
@@ -310,45 +421,116 @@ def write_hf(ckpt: MoECheckpoint, path: str) -> int:
 
 
 def convert(src: str, dst: str, to: str, ep_size: int = 1, layout: str = "sequential",
-            hf_config: Optional[str] = None) -> dict:
+            hf_config: Optional[str] = None, overwrite: bool = False) -> dict:
     """Convert `src` into `dst` in the `to` layout (`hf_config`: a folder with the model's HF
-    config.json, which `--to hf` needs unless SRC carries one); returns what was counted."""
+    config.json, which `--to hf` needs unless SRC carries one); returns what was counted.
+    SRC is read and checked whole, then DST written beside it and renamed into place: a non-empty
+    DST is refused unless `overwrite` (which replaces it whole), and on any error DST is unchanged."""
     if to not in FORMATS:
         raise ValueError(f"--to must be one of {FORMATS}, got {to!r}")
-    if os.path.abspath(src) == os.path.abspath(dst):
-        raise ValueError("SRC and DST must differ")
+    check_destination(src, dst, overwrite)
     ckpt = read(src)
     if hf_config is not None:
         ckpt.hf_config = load_hf_config(hf_config)
     count_in = ckpt.check_whole(src)
-    writers = {"megatron": lambda: write_megatron(ckpt, dst, ep_size, layout), "fmoe": lambda: write_fmoe(ckpt, dst),
-               "hf": lambda: write_hf(ckpt, dst)}
-    written = writers[to]()
-    count_out = read(dst).check_whole(dst)
-    if not written == count_out == count_in:
-        raise ValueError(f"read {count_in} expert tensors from {src}, wrote {written}, {dst} holds {count_out}: "
-                         "nothing may be dropped")
+    writers = {"megatron": lambda path: write_megatron(ckpt, path, ep_size, layout),
+               "fmoe": lambda path: write_fmoe(ckpt, path), "hf": lambda path: write_hf(ckpt, path)}
+    with staging_folder(dst) as staging:
+        written = writers[to](staging)
+        count_out = read(staging).check_whole(dst)
+        if not written == count_out == count_in:
+            raise ValueError(f"read {count_in} expert tensors from {src}, wrote {written}, {dst} would hold "
+                             f"{count_out}: nothing may be dropped")
+        move_into_place(staging, dst)
     return {"expert_tensors": count_in, "layers": len(ckpt.experts), "dense_tensors": len(ckpt.dense),
             "not_converted": ckpt.skipped}
+
+
+def check_destination(src: str, dst: str, overwrite: bool):
+    src_path, dst_path = Path(src).resolve(), Path(dst).resolve()
+    if src_path == dst_path:
+        raise ValueError("SRC and DST must differ")
+    if dst_path in src_path.parents:
+        raise ValueError(f"SRC {src!r} is inside DST {dst!r}: DST is replaced whole, choose another DST")
+    if os.path.lexists(dst) and not os.path.isdir(dst):
+        raise ValueError(f"DST {dst!r} exists and is not a folder")
+    if os.path.isdir(dst) and os.listdir(dst) and not overwrite:
+        raise ValueError(f"DST {dst!r} is a non-empty folder: pass --overwrite to replace it whole, or choose a "
+                         "new DST")
+
+
+def errno_under(err: BaseException) -> Optional[int]:
+    """The errno of the OSError behind a writer's error (ENOSPC first): torch's zip writer keeps it as the
+    context, torch.distributed.checkpoint among its failures, safetensors only as '(os error N)'."""
+    found, todo, seen = [], [err], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            found.append(e.errno)
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code:
+            found.append(int(code[1]))
+        todo += [e.__cause__, e.__context__, *(f[0] for f in getattr(e, "failures", {}).values())]
+    return errno.ENOSPC if errno.ENOSPC in found else next(iter(found), None)
+
+
+@contextlib.contextmanager
+def staging_folder(dst: str):
+    """A fresh folder beside `dst`, removed at the end whatever happened; a failed write is one line naming DST."""
+    parent = os.path.dirname(os.path.abspath(dst))
+    staging = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(dst))}.convert.", dir=parent)
+        yield staging
+    except (Exception, CheckpointException) as err:       # DCP's is a BaseException
+        code = None if isinstance(err, ValueError) else errno_under(err)      # a ValueError says more itself
+        if code is None:
+            raise
+        raise WriteError(code, f"could not write {dst}: {fault(code)}; {dst} is unchanged") from err
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def move_into_place(staging: str, dst: str):
+    """Rename the whole `staging` folder to `dst`; an existing `dst` is moved aside first and removed after."""
+    os.chmod(staging, 0o777 & ~UMASK)        # a plain mkdir's mode, not mkdtemp's 0700
+    aside = f"{staging}.replaced"
+    if os.path.lexists(dst):
+        os.rename(dst, aside)
+    try:
+        os.rename(staging, dst)
+    except OSError:
+        if os.path.lexists(aside):
+            os.rename(aside, dst)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("src", metavar="SRC", help="an fmoe, Megatron-Core or HF (config.json + safetensors) checkpoint "
                                                "folder")
-    p.add_argument("dst", metavar="DST", help="the folder to write")
+    p.add_argument("dst", metavar="DST", help="the folder to write (a new or empty one, unless --overwrite)")
     p.add_argument("--to", required=True, choices=FORMATS, help="the layout to write")
     p.add_argument("--ep-size", type=int, default=1, help="Megatron: expert-parallel ranks to shard the experts over")
     p.add_argument("--expert-layout", choices=LAYOUTS, default="sequential",
                    help="Megatron: SequentialMLP's local_experts.<i>.linear_fc1 or TEGroupedMLP's linear_fc1.weight<i>")
     p.add_argument("--hf-config", metavar="FOLDER", default=None,
                    help="hf: a folder with the model's HF config.json (the original model's), unless SRC carries one")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing non-empty DST whole (only once the new one is written and checked)")
 
 
 def run(args):
     if args.to == "hf" or os.path.isfile(os.path.join(args.src, HF_CONFIG)):
         import transformers
         transformers.utils.logging.disable_progress_bar()      # the summary below says what was loaded
-    counts = convert(args.src, args.dst, args.to, args.ep_size, args.expert_layout, args.hf_config)
+    counts = convert(args.src, args.dst, args.to, args.ep_size, args.expert_layout, args.hf_config, args.overwrite)
     print(f"{args.dst}: {counts['expert_tensors']} expert tensors in {counts['layers']} MoE layers (as many as read) "
           f"and {counts['dense_tensors']} other tensors; {counts['not_converted']} entries not converted "
           "(optimizer states, extras, buffers HF rebuilds)")

@@ -47,6 +47,9 @@ def data_files(data: Path) -> List[Path]:
     if not data.exists():
         raise ValueError(f"--data {str(data)!r}: no such file or folder")
     if data.is_file():
+        if not is_text(data):
+            raise ValueError(f"--data {str(data)!r} is not a text file (a NUL byte in its first 8 KiB): fmoe train "
+                             "reads text only, as it skips the binary files in a folder")
         return [data]
     visible = (p for p in sorted(data.rglob("*")) if not any(s.startswith(".") for s in p.relative_to(data).parts))
     return [p for p in visible if p.is_file() and is_text(p)]
@@ -66,7 +69,8 @@ def read_capped(files: List[Path], max_bytes: int) -> Tuple[bytes, int, bool]:
 
 
 def load_corpus(data: Optional[str] = None, seq_len: int = 128, max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
-    """Bytes of `data` (a file, or every text file under a folder) or, by default, of the Python stdlib.
+    """Bytes of `data` (a text file, or every text file under a folder: binary files are never read) or, by
+    default, of the Python stdlib.
 
     The last VAL_FRACTION of the bytes is the validation split; both splits must hold a window
     of `seq_len + 1` bytes.

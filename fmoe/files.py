@@ -78,9 +78,32 @@ def remove_stale_temporaries(folder: Path):
             pass
 
 
+def fault(code: int) -> str:
+    """What an errno means to someone whose write failed."""
+    return "disk full (ENOSPC)" if code == errno.ENOSPC else os.strerror(code)
+
+
 def write_error(path: Path, err: OSError) -> WriteError:
-    reason = "disk full (ENOSPC)" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+    reason = fault(err.errno) if err.errno else str(err)
     return WriteError(err.errno, f"could not write {path}: {reason}; {path} is unchanged")
+
+
+def check_writable_folder(path: PathLike, what: str) -> Path:
+    """That the folder `path` exists or can be made, and takes new files: found out before a run starts,
+    not at its first save. Nothing is left behind (an unnamed temporary file in `path`, or in the folder
+    that would hold it, is the probe). A ValueError naming `what` if not."""
+    path = Path(path)
+    nearest = next(p for p in (path, *path.parents) if p.exists())
+    if not nearest.is_dir():
+        where = "is a file" if nearest == path else f"is under the file {nearest}"
+        raise ValueError(f"{what} {str(path)!r} {where}; it must be a folder (existing or new)")
+    try:
+        with tempfile.TemporaryFile(dir=nearest):
+            pass
+    except OSError as err:
+        raise ValueError(f"{what} {str(path)!r} must be a folder fmoe can create and write in: "
+                         f"{err.strerror or err}") from None
+    return path
 
 
 def write_bytes(path: PathLike, data: bytes) -> Path:

@@ -18,7 +18,7 @@ from fmoe.distributed import checkpoint as sharded
 from fmoe.distributed.ddp import DistributedGroupedDataParallel, clip_grad_norm_
 from fmoe.distributed.groups import make_groups
 from fmoe.distributed.timeout import collective_timeout
-from fmoe.files import WriteError, save_figure, save_torch, write_json
+from fmoe.files import WriteError, check_writable_folder, save_figure, save_torch, write_json
 from fmoe.gpt import GPT, GPTConfig
 from fmoe.layer import collect_aux_loss
 
@@ -305,7 +305,7 @@ class Trainer:
         self.world = dist.get_world_size() if self.groups else 1
         self.log = log if self.rank == 0 else (lambda message: None)
         self.device = resolve_device(cfg.device)
-        self.out = Path(cfg.out)
+        self.out = check_writable_folder(cfg.out, "--out")      # before any step, not at the first save
         self.fault = parse_fault(os.environ.get("FMOE_FAULT"))
         # One file in one process; sharded step folders (resharding on load) on several. Either resumes either.
         self.file_path, self.folder_root = self.out / "checkpoint.pt", self.out / "checkpoint"
@@ -362,7 +362,7 @@ class Trainer:
         source = self.checkpoint_source()
         if source.is_dir() or not source.suffix:
             folder = checkpoints.load_folder(source.parent, source)
-            state = checkpoints.read_torch(folder / "trainer.pt")
+            state = checkpoints.read_torch(folder / checkpoints.TRAINER_FILE)
             rng_path = folder / f"rng-rank{self.rank}.pt"
             if rng_path.exists():
                 state.update(checkpoints.read_torch(rng_path))
@@ -444,7 +444,7 @@ class Trainer:
             sharded.save_checkpoint(str(folder), self.model, self.optimizer)
             save_torch(folder / f"rng-rank{self.rank}.pt", self.random_states())
             if self.rank == 0:
-                save_torch(folder / "trainer.pt", {"model_config": asdict(self.model_cfg),
+                save_torch(folder / checkpoints.TRAINER_FILE, {"model_config": asdict(self.model_cfg),
                                                    "train_config": asdict(self.cfg), "step": self.step,
                                                    "history": self.history})
         except OSError as err:

@@ -37,10 +37,12 @@ def check_family_ep(rank, world_size, family, folder):
         scale = world_size if ".experts." in name else 1
         torch.testing.assert_close(got_grads[name], scale * p.grad, **TOL, msg=lambda m: f"{name}: {m}")
     fmoe.hf.export(converted, folder)           # gathered from both ranks, written by rank 0
+    converted.save_pretrained(f"{folder}-saved")        # the same, through transformers' own save
     if rank == 0:
-        plain = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-        with torch.no_grad():
-            torch.testing.assert_close(plain(ids).logits, want.logits, **TOL)
+        for written in (folder, f"{folder}-saved"):
+            plain = transformers.AutoModelForCausalLM.from_pretrained(written).eval()
+            with torch.no_grad():
+                torch.testing.assert_close(plain(ids).logits, want.logits, **TOL)
 
 
 def check_load_takes_turns(rank, world_size, folder, log_folder):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from fmoe.checkpoints import CheckpointError
 from fmoe.cli import main
 from fmoe.data import load_corpus
 from fmoe.train import harmonic_mean
+from tests.fs_utils import in_user_namespace, needs_tmpfs
 
 TINY = ["--d-model", "16", "--layers", "1", "--heads", "1", "--seq-len", "16", "--num-expert", "2",
         "--d-hidden", "16", "--batch-size", "2"]
@@ -324,6 +326,49 @@ def test_invalid_train_option_is_refused_naming_it(corpus, tmp_path, capsys, arg
         train(corpus, tmp_path, 2, *args)
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def unwritable_folder(tmp_path):
+    """A folder no file can be created in, also for root (whom chmod does not stop): /proc takes no new
+    entries from anyone."""
+    if os.geteuid() == 0:
+        return Path("/proc/fmoe-out")
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o555)
+    return folder
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "read-only"])
+def test_an_unwritable_out_fails_at_once_naming_it(corpus, tmp_path, capsys, where):
+    (tmp_path / "taken").write_text("not a folder")
+    out = {"a file": tmp_path / "taken", "under a file": tmp_path / "taken" / "run",
+           "read-only": unwritable_folder(tmp_path)}[where]
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        train(corpus, out, 200)
+    assert time.perf_counter() - start < 5, "refused before any step"
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"fmoe train: error: --out {str(out)!r}" in err, err
+    assert (tmp_path / "taken").read_text() == "not a folder"
+
+
+@needs_tmpfs
+def test_out_on_a_read_only_filesystem_fails_before_any_process_starts(corpus, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = " ".join(fmoe_cmd(corpus, disk, 200, "--nproc", "2", "--ep-size", "2"))
+    result = in_user_namespace(f"mount -t tmpfs -o ro,size=16k tmpfs {disk} && {command}")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"--out {str(disk)!r}" in result.stderr and "Read-only file system" in result.stderr
+
+
+def test_experts_that_do_not_split_over_the_ranks_fail_before_any_process_starts(corpus, tmp_path):
+    start = time.perf_counter()
+    result = subprocess.run(fmoe_cmd(corpus, tmp_path / "run", 2, "--nproc", "2", "--ep-size", "2",
+                                     "--num-expert", "3"), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "--num-expert 3" in result.stderr and "--ep-size 2" in result.stderr
+    assert time.perf_counter() - start < 60, "no torchrun, no ranks"
 
 
 def test_invalid_fault_spec_is_named(corpus, tmp_path, monkeypatch, capsys):

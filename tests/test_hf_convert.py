@@ -95,6 +95,28 @@ def test_export_loads_in_plain_transformers_with_the_same_logits(family, tmp_pat
         torch.testing.assert_close(plain(ids).logits, model(ids).logits, **TOL)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "deepseek_v3"])
+def test_save_pretrained_writes_the_family_layout_plain_transformers_loads(family, tmp_path):
+    """Without fmoe.hf.export: what a converted model's save_pretrained writes loads in plain transformers
+    with nothing missing or re-initialised, and the model stays converted."""
+    model = fmoe.hf.convert(tiny(family))
+    with torch.no_grad():
+        for _, block in fmoe.hf.converted_blocks(model):
+            block.moe.experts.w2_eFD.mul_(1.5)
+    keys = list(model.state_dict())
+    model.save_pretrained(tmp_path)
+    plain, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert not any(isinstance(m, HFMoEBlock) for m in plain.modules())
+    ids = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(ids).logits, model(ids).logits, **TOL)
+    assert list(model.state_dict()) == keys and fmoe.hf.converted_blocks(model)
+    with pytest.raises(ValueError, match="state_dict.*fmoe.hf.export"):
+        model.save_pretrained(tmp_path / "given", state_dict=model.state_dict())
+    assert not (tmp_path / "given").exists()
+
+
 def test_half_convertible_model_is_left_untouched():
     model = tiny("deepseek_v3", seed=2)
     model.config.num_hidden_layers = 3
@@ -128,6 +150,10 @@ def test_bad_input_fails_clearly_and_changes_nothing():
     assert type(model.model.layers[0].mlp).__name__ == "MixtralSparseMoeBlock"
     with pytest.raises(ValueError, match="ep_size=3 must be a positive divisor of the block's 4 experts"):
         fmoe.hf.convert(tiny("qwen3_moe"), ep_size=3)
+    unconverted = tiny("qwen3_moe")
+    with pytest.raises(ValueError, match=r"convert: ep_size=2: .*needs torch.distributed initialised"):
+        fmoe.hf.convert(unconverted, ep_size=2)
+    assert not fmoe.hf.converted_blocks(unconverted)
     with pytest.raises(ValueError, match="already a sparse MoE model.*fmoe.hf.convert"):
         fmoe.hf.moefy(tiny("mixtral"), num_experts=4)
     converted = fmoe.hf.convert(tiny("olmoe"))

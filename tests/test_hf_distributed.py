@@ -1,4 +1,5 @@
-"""fmoe.hf.convert with ep_size=2 on real gloo processes equals one process; export gathers the experts."""
+"""fmoe.hf.convert with ep_size=2 on real gloo processes equals one process; export and save_pretrained gather
+the experts."""
 import pytest
 
 pytest.importorskip("transformers")

@@ -84,6 +84,18 @@ def test_bad_data_fails_naming_data(tmp_path, capsys):
     assert "fmoe train: error: --data" in capsys.readouterr().err
 
 
+def test_binary_data_is_never_trained_on_file_or_folder(tmp_path, corpus_file):
+    """One rule: only text files are read (no NUL byte in the first 8 KiB), named or found in a folder."""
+    blob = tmp_path / "data" / "blob.bin"
+    blob.parent.mkdir()
+    blob.write_bytes(bytes(range(256)) * 64)
+    with pytest.raises(ValueError, match=f"--data '{blob}' is not a text file"):
+        load_corpus(str(blob), seq_len=32)
+    (tmp_path / "data" / "corpus.txt").write_bytes(corpus_file.read_bytes())
+    corpus = load_corpus(str(tmp_path / "data"), seq_len=32)
+    assert corpus.num_files == 1 and corpus.num_bytes == corpus_file.stat().st_size
+
+
 def test_train_writes_checkpoint_history_plot_and_resumes(corpus_file, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_train(corpus_file, out, 5) == 0

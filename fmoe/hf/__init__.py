@@ -2,7 +2,8 @@
 
 - `convert(model, ep_size=1)`: a published MoE model's sparse blocks (Mixtral, Qwen2/3-MoE, OLMoE,
   DeepSeek-V2/V3, gpt-oss, GraniteMoe(Shared), PhiMoE, DBRX, Jamba) become fmoe layers with the
-  same weights; `export(model, path)` writes them back in the family's own checkpoint layout.
+  same weights; `export(model, path)` writes them back in the family's own checkpoint layout, and so
+  does the converted model's `save_pretrained`.
 - `load(path, ep_size=1)`: a checkpoint folder loaded and converted, the EP ranks taking turns so
   that no two of them hold all experts at once.
 - `moefy(model, num_experts)`: upcycle a dense model's MLPs into fmoe layers;

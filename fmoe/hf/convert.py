@@ -14,6 +14,7 @@ gpt-oss's block returns (hidden_states, router_scores): the converted one return
 PhiMoE, DBRX) is applied once, to a copy: transformers multiplies the hidden states in place
 (PhiMoE twice); it is random either way.
 """
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,7 +24,7 @@ from torch import nn
 
 from fmoe.gates.router import RouterGate
 from fmoe.hf.families import BY_BLOCK, BY_NAME, ExpertWeights, Family, find_moe_blocks
-from fmoe.layer import FMoE
+from fmoe.layer import FMoE, check_world
 
 FMOE_OPTIONS = ("backend", "shadow", "schedule", "schedule_group_size")   # go to FMoE; other options to the gate
 
@@ -170,10 +171,17 @@ def convert(model: nn.Module, ep_size: int = 1, moe_group: Optional[dist.Process
         raise ValueError(f"convert: {type(model).__name__} has no sparse MoE block; upcycle a dense model with "
                          "fmoe.hf.moefy instead")
     plans = [plan_block(name, block, config, ep_size, options) for name, block in blocks]
+    try:
+        check_world(ep_size, moe_group)
+    except ValueError as err:
+        raise ValueError(f"convert: ep_size={ep_size}: {err}; the model is unchanged") from err
     new_blocks = [build_block(plan, ep_size, moe_group, options) for plan in plans]
     for plan, new in zip(plans, new_blocks):
         parent, _, child = plan.name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
+    from fmoe.hf.export import save_pretrained      # export imports this module
+    # transformers' own would write fmoe's names, which plain from_pretrained initialises at random.
+    model.save_pretrained = functools.partial(save_pretrained, model)
     return model
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fmoe.files import UMASK, fsync_dir
-from fmoe.hf.convert import HFMoEBlock
+from fmoe.hf.convert import HFMoEBlock, converted_blocks
 from fmoe.hf.families import BY_NAME, ExpertWeights
 
 
@@ -56,6 +56,23 @@ def hf_state_dict(model: nn.Module) -> dict:
     for name, block in blocks.items():
         state.update({f"{name}.{key}": t for key, t in block_state(block).items()})
     return state
+
+
+def save_pretrained(model: nn.Module, save_directory, *args, state_dict=None, **kwargs):
+    """A converted model's `save_pretrained` (fmoe.hf.convert installs it): transformers' own, handed the
+    state dict in the family's layout (`hf_state_dict`, what `export` writes), so that plain
+    `from_pretrained` loads the routers and experts instead of initialising them at random. Under
+    expert parallelism every rank calls it (the experts are gathered) and global rank 0 writes."""
+    blocks = [name for name, _ in converted_blocks(model)]
+    if state_dict is not None and any(key.startswith(f"{name}.moe.") for key in state_dict for name in blocks):
+        raise ValueError("save_pretrained: state_dict holds fmoe's layer names, which plain transformers would "
+                         "load with the routers and experts initialised at random; call save_pretrained without "
+                         "state_dict (it writes the family's layout), or fmoe.hf.export(model, path)")
+    if dist.is_available() and dist.is_initialized():
+        kwargs.setdefault("is_main_process", dist.get_rank() == 0)
+    return type(model).save_pretrained(model, save_directory, *args,
+                                       state_dict=hf_state_dict(model) if state_dict is None else state_dict,
+                                       **kwargs)
 
 
 def export(model: nn.Module, path) -> Path:
