@@ -5,6 +5,7 @@ from fmoe.gates import (BalancedGate, BaseGate, DCGate, FasterGate, GShardGate, 
                         SwipeGate, SwitchGate, ZeroGate)
 from fmoe.layer import FMoE, collect_aux_loss
 from fmoe.routing import RoutingPlan
+from fmoe.stats import RoutingStatsMeter, routing_stats
 from fmoe.transformer import FMoETransformerMLP, moefy
 
 __version__ = "0.1.0"
@@ -13,5 +14,5 @@ __all__ = [
     "FMoE", "FMoETransformerMLP", "FMoELinear", "GroupedExperts", "RoutingPlan", "Routing",
     "BaseGate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate", "FasterGate",
     "ZeroGate", "DCGate", "SwipeGate", "DistributedGroupedDataParallel",
-    "collect_aux_loss", "moefy",
+    "collect_aux_loss", "moefy", "routing_stats", "RoutingStatsMeter",
 ]
