@@ -197,9 +197,7 @@ def stage_routing_stats():
     from fmoe.megatron import training
 
     dp_rank, dp_size = set_layout(1, 2)
-    # No balance loss: megatron-core 0.19 averages it over data-parallel ranks, which gloo cannot.
-    model, optimizer = training.wrap(gpt(2, gate="naive", gate_kwargs={"capacity": 0.5}, aux_loss_coeff=0.0),
-                                     lr=3e-3)
+    model, optimizer = training.wrap(gpt(2, gate="naive", gate_kwargs={"capacity": 0.5}), lr=3e-3)
     model.config.moe_per_layer_logging = True
     routed = []
     for layer in model.module.decoder.layers:
@@ -294,22 +292,22 @@ def test_layouts_train_alike_from_one_checkpoint(runs):
         assert layouts[name] == pytest.approx(layouts["ep2_dp2"], abs=1e-4), (name, layouts)
 
 
-def test_megatron_logs_each_layers_routing_statistics_averaged_over_micro_batches(runs):
+def test_megatron_logs_each_layers_routing_statistics_averaged_over_micro_batches_and_ranks(runs):
     from tests.test_stats import reference
 
     stats_names = ("max_load", "mean_load", "load_cv", "empty_experts", "dropped_slots", "unrouted_slots",
                    "router_entropy")
-    for rank_runs in runs:
-        stage = rank_runs["routing_stats"]
-        assert len(stage["routed"]) == 2
-        for layer, micro in enumerate(stage["routed"]):
-            assert len(micro) == 2
-            per_micro = [reference(torch.tensor(idx), torch.tensor(logits), unrouted_by_gate=False)
-                         for idx, logits in micro]
-            assert per_micro[0]["dropped_slots"] > 0
-            for name in stats_names:
-                step, value = stage["scalars"][f"moe/routing_{name}_layer_{layer}"]
-                assert step == 1 and value == pytest.approx((per_micro[0][name] + per_micro[1][name]) / 2, rel=1e-5)
+    stages = [rank_runs["routing_stats"] for rank_runs in runs]
+    routing = [{tag: v for tag, v in stage["scalars"].items() if "routing_" in tag} for stage in stages]
+    assert len(routing[0]) == 7 * 3 and routing[0] == routing[1], "each statistic per layer and their average"
+    for layer in range(2):
+        micro = [m for stage in stages for m in stage["routed"][layer]]
+        assert len(micro) == 4, "2 ranks x 2 micro-batches"
+        expected = [reference(torch.tensor(idx), torch.tensor(logits), unrouted_by_gate=False) for idx, logits in micro]
+        assert all(e["dropped_slots"] > 0 for e in expected)
         for name in stats_names:
-            assert stage["scalars"][f"routing_{name}"][1] == pytest.approx(
-                sum(stage["scalars"][f"moe/routing_{name}_layer_{i}"][1] for i in range(2)) / 2, rel=1e-5)
+            step, value = stages[0]["scalars"][f"moe/routing_{name}_layer_{layer}"]
+            assert step == 1 and value == pytest.approx(sum(e[name] for e in expected) / 4, rel=1e-5), name
+    for name in stats_names:
+        assert stages[0]["scalars"][f"routing_{name}"][1] == pytest.approx(
+            sum(stages[0]["scalars"][f"moe/routing_{name}_layer_{i}"][1] for i in range(2)) / 2, rel=1e-5)

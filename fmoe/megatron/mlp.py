@@ -151,13 +151,15 @@ class MegatronMLP(MegatronModule):
 
     def track_routing_stats(self):
         """This forward's routing statistics, each a `routing_<statistic>` in Megatron-Core's tracker,
-        where they add up over the micro-batches of a step on the device. They stay this rank's: a
-        ratio averaged over ranks is no ratio of the whole batch, and gloo has no average to take.
-        (tokens_per_expert, a vector, stays on the layer: `fmoe.routing_stats(model, over="world")`.)"""
+        where they add up over the micro-batches of a step on the device; logged, each rank's value
+        is averaged over the data-parallel ranks. (tokens_per_expert, a vector, stays on the layer:
+        `fmoe.routing_stats(model, over="world")` sums it over all ranks.)"""
         for key, value in self.moe.routing_stats.items():
             if key != "tokens_per_expert":
+                # reduce_group_has_dp: megatron-core >= 0.19 would average over the same ranks again.
                 save_to_aux_losses_tracker(f"routing_{key}", value.float(), self.layer_number, self.config.num_layers,
-                                           reduce_group_has_dp=True)    # megatron-core >= 0.19: no DP average
+                                           avg_group=parallel_state.get_data_parallel_group(),
+                                           reduce_group_has_dp=True)
 
     @staticmethod
     def real_tokens(hidden_states: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
