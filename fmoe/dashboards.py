@@ -35,23 +35,25 @@ def parse_log(spec: Optional[str]) -> Tuple[str, ...]:
 
 
 class Dashboards:
-    """Scalars by step to the chosen backends, under the run's folder `out`. Every rank of a run makes
-    one (they compute the statistics together); only the one with `write=True` writes."""
+    """Scalars by step to the chosen backends, under the run's folder `out`, opened at the first
+    scalar (a run refused before its first step leaves nothing). Every rank of a run makes one (they
+    compute the statistics together); only the one with `write=True` writes."""
 
     def __init__(self, backends: Tuple[str, ...], out: Path, run_config: dict, write: bool = True):
         self.backends = backends
+        self.out, self.run_config, self.write = out, run_config, write
         self.tensorboard = self.wandb = None
-        if not write:
-            return
-        if "tensorboard" in backends:
+
+    def open(self):
+        if "tensorboard" in self.backends:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(log_dir=str(out / "tensorboard"))
-        if "wandb" in backends:
+            self.tensorboard = SummaryWriter(log_dir=str(self.out / "tensorboard"))
+        if "wandb" in self.backends:
             import wandb
 
-            out.mkdir(parents=True, exist_ok=True)
-            self.wandb = wandb.init(project="fmoe", name=out.name, dir=str(out), config=run_config)
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.wandb = wandb.init(project="fmoe", name=self.out.name, dir=str(self.out), config=self.run_config)
 
     def log_step(self, step: int, model: nn.Module, values: Dict[str, float]):
         """`values` as `train/<name>` and every MoE layer's routing statistics over the tokens of all
@@ -61,6 +63,10 @@ class Dashboards:
                       **scalars(routing_stats(model, over="world"))}, step)
 
     def log(self, scalars: Dict[str, float], step: int):
+        if not self.write:
+            return
+        if self.tensorboard is None and self.wandb is None:
+            self.open()
         if self.tensorboard is not None:
             for tag, value in scalars.items():
                 self.tensorboard.add_scalar(tag, value, step)
