@@ -47,7 +47,9 @@ class RoutingTally:
         return cls(tokens_per_expert=counts_E,
                    dropped_slots=(num_dropped - num_unrouted).detach().reshape(()),
                    unrouted_slots=num_unrouted.detach().reshape(()),
-                   scored_tokens=torch.tensor(0 if logits_TE is None else logits_TE.shape[0], device=counts_E.device),
+                   # A fill on the device, not a copy from the host.
+                   scored_tokens=torch.full((), 0 if logits_TE is None else logits_TE.shape[0], dtype=torch.int64,
+                                            device=counts_E.device),
                    entropy_sum=entropy_sum)
 
     def __add__(self, other: "RoutingTally") -> "RoutingTally":
@@ -70,9 +72,9 @@ class RoutingTally:
         return stats
 
 
-def as_numbers(stats: Dict[str, torch.Tensor]) -> dict:
-    """A stats dict with Python numbers (a list for tokens_per_expert): one read from the device."""
-    return {k: v.tolist() for k, v in stats.items()}
+def stats_as_numbers(tallies: Dict[str, RoutingTally], over) -> Dict[str, dict]:
+    """Each tally's statistics as Python numbers (a list for tokens_per_expert), summed `over` ranks first."""
+    return {name: {k: v.tolist() for k, v in t.stats().items()} for name, t in reduce_tallies(tallies, over).items()}
 
 
 def moe_layers(model: nn.Module):
@@ -105,8 +107,8 @@ def routing_stats(model: nn.Module, over="rank") -> Dict[str, dict]:
     `over="rank"`: this rank's tokens. `"world"` or a process group: the tokens of all those ranks
     (one all-reduce now; every rank of the group must call). Layers not run yet are left out.
     """
-    tallies = {name: m.routing_tally for name, m in moe_layers(model) if m.routing_tally is not None}
-    return {name: as_numbers(t.stats()) for name, t in reduce_tallies(tallies, over).items()}
+    tallies = {name: m.routing_tally for name, m in moe_layers(model)}
+    return stats_as_numbers({name: t for name, t in tallies.items() if t is not None}, over)
 
 
 def scalars(stats_by_layer: Dict[str, dict], prefix: str = "routing") -> Dict[str, float]:
@@ -145,7 +147,7 @@ class RoutingStatsMeter:
     def read(self, over="rank") -> Dict[str, dict]:
         """routing_stats' dict over the counted forwards (as `routing_stats(model, over)`), then start afresh."""
         sums, self.sums = self.sums, {}
-        return {name: as_numbers(t.stats()) for name, t in reduce_tallies(sums, over).items()}
+        return stats_as_numbers(sums, over)
 
     def close(self):
         for handle in self.handles:
