@@ -13,7 +13,7 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "test": ["pytest>=7", "pytest-timeout", "triton>=3.0", "deepspeed==0.19.8", "transformers==5.24.0",
-                 "megatron-core==0.16.1"],
+                 "megatron-core==0.16.1", "accelerate>=1.1.0", "tensorboard", "wandb"],
         "deepspeed": ["deepspeed==0.19.8"],
         "hf": ["transformers>=5,<6"],
         "megatron": ["megatron-core==0.16.1"],

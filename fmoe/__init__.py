@@ -6,6 +6,7 @@ from fmoe.gates import (BalancedGate, BaseGate, DCGate, FasterGate, GShardGate, 
 from fmoe.layer import FMoE, collect_aux_loss
 from fmoe.load_balancing import end_step, register_bias_update
 from fmoe.routing import RoutingPlan
+from fmoe.stats import RoutingStatsMeter, routing_stats
 from fmoe.transformer import FMoETransformerMLP, moefy
 
 __version__ = "0.1.0"
@@ -14,5 +15,5 @@ __all__ = [
     "FMoE", "FMoETransformerMLP", "FMoELinear", "GroupedExperts", "RoutingPlan", "Routing",
     "BaseGate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate", "FasterGate",
     "ZeroGate", "DCGate", "SwipeGate", "DistributedGroupedDataParallel",
-    "collect_aux_loss", "moefy", "register_bias_update", "end_step",
+    "collect_aux_loss", "moefy", "register_bias_update", "end_step", "routing_stats", "RoutingStatsMeter",
 ]

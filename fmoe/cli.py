@@ -67,6 +67,10 @@ def add_train_args(p: argparse.ArgumentParser):
     g.add_argument("--ep-size", type=int, default=1,
                    help="expert-parallel size: experts spread over this many ranks; the rest is data parallel")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("dashboards")
+    g.add_argument("--log", default=None, metavar="BACKENDS",
+                   help="where each step's losses and every MoE layer's routing statistics go: tensorboard, wandb, "
+                        "both comma-separated, or none; under --out (default: tensorboard when installed)")
 
 
 INTERRUPTED_FILE = "FMOE_INTERRUPTED_FILE"
@@ -169,7 +173,7 @@ def run_hf_train(args):
     from fmoe.train import TrainConfig, launched_by_torchrun
 
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
-                      data=args.data, out=args.out, ep_size=args.ep_size)
+                      data=args.data, out=args.out, ep_size=args.ep_size, log=args.log)
     r = finetune(args.hf_model, cfg, seq_len=args.seq_len)
     if not launched_by_torchrun() or int(os.environ.get("RANK", "0")) == 0:
         print(f"done: step {r.step} in {r.seconds:.1f} s\nloss: {r.first_loss:.3f} (first step) -> "
@@ -197,7 +201,7 @@ def run_train(args):
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
                       data=args.data, out=args.out, resume=args.resume, ep_size=args.ep_size,
                       save_every=args.save_every, keep=args.keep, resume_from=args.resume_from,
-                      compile=args.compile)
+                      compile=args.compile, log=args.log)
     if args.nproc != 1 and not launched_by_torchrun():
         return relaunch_with_torchrun(args.nproc)
     if args.keep_freed_memory:          # each rank, before the model's first allocation

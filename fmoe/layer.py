@@ -20,6 +20,7 @@ from fmoe.fastmoe_state import rename_router, stack_experts
 from fmoe.gates import BaseGate, NaiveGate, make_gate
 from fmoe.gates.base import accepts_keyword, routing_from_fastmoe_gate
 from fmoe.routing import RoutingPlan
+from fmoe.stats import RoutingTally
 
 
 def positive_int(name: str, value, meaning: str = "") -> int:
@@ -76,7 +77,8 @@ class FMoE(nn.Module):
     of that group hold the same input; each routes one slice of the tokens and the outputs are
     gathered. `mask` / `mask_dict`: tokens whose mask is 0 are routed; a token with mask k gets
     `mask_dict[k]` from each of its top-k slots instead. After every forward the layer holds
-    `aux_loss`, `num_dropped` and `last_counts_E` (rows each expert received).
+    `aux_loss`, `num_dropped` and `last_counts_E` (rows each expert received), and `routing_stats`
+    (load, drops, router entropy: see `fmoe.stats`) describes that forward.
 
     `shared_expert` adds experts every token passes through, computed on every rank beside the
     routed ones (data-parallel parameters, not expert ones): a module, a list of modules, or an
@@ -155,6 +157,7 @@ class FMoE(nn.Module):
         self.aux_loss = None
         self.last_counts_E = None
         self.last_num_dropped = None
+        self.last_num_unrouted = None
         self.layer_index = None        # set by the check with the other ranks, before the first exchange
         self.sequence_first = False    # a 3-D input is [batch, seq, d_model]; Megatron's is [seq, batch, d_model]
 
@@ -335,6 +338,22 @@ class FMoE(nn.Module):
         self.aux_loss = routing.aux_loss
         self.last_counts_E = plan.counts_E.detach()     # rows this rank sent to each expert
         self.last_num_dropped = routing.num_dropped
+        self.last_num_unrouted = routing.num_unrouted
+
+    @property
+    def routing_tally(self) -> Optional[RoutingTally]:
+        """The last forward's routing on this rank, as sums (None before the first forward)."""
+        if self.last_counts_E is None:
+            return None
+        return RoutingTally.of_forward(self.last_counts_E, self.last_num_dropped, self.last_num_unrouted,
+                                       getattr(self.gate, "last_logits_TE", None))
+
+    @property
+    def routing_stats(self) -> dict:
+        """The last forward's routing statistics on this rank as tensors, computed when read
+        ({} before the first forward; keys and meaning in `fmoe.stats`)."""
+        tally = self.routing_tally
+        return {} if tally is None else tally.stats()
 
     @property
     def num_dropped(self) -> int:

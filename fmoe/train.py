@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fmoe import checkpoints
+from fmoe.dashboards import Dashboards, parse_log
 from fmoe.data import BatchSampler, load_corpus
 from fmoe.distributed import checkpoint as sharded
 from fmoe.distributed.ddp import DistributedGroupedDataParallel, clip_grad_norm_
@@ -46,6 +47,7 @@ class TrainConfig:
     save_every: int = 0         # also save every this many steps (0: only at the end and on a signal)
     keep: int = 2               # checkpoints kept: the newest and keep - 1 before it
     resume_from: Optional[str] = None   # a checkpoint.pt or step folder to resume from instead of the newest
+    log: Optional[str] = None   # dashboards: tensorboard, wandb, both or none (None: tensorboard when installed)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_batches", "ep_size", "keep", "save_every", "sample_bytes"):
@@ -61,6 +63,7 @@ class TrainConfig:
                                  f"{low:g}, got {value!r}")
         if self.resume_from is not None:
             self.resume = True
+        parse_log(self.log)
 
 
 @dataclass
@@ -345,6 +348,8 @@ class Trainer:
         self.log(f"model: {num_params / 1e6:.2f}M parameters on this rank, {model_cfg.n_layer} layers x "
                  f"{model_cfg.num_expert} experts (top-{model_cfg.top_k}, {model_cfg.gate} gate), device {self.device}"
                  + (f"; {self.world} processes, expert-parallel size {self.groups.ep_size}" if self.groups else ""))
+        self.dashboards = Dashboards(parse_log(cfg.log), self.out, {"model": asdict(model_cfg), "train": asdict(cfg)},
+                                     write=self.rank == 0)
 
     def checkpoint_source(self) -> Path:
         """--resume-from, else the newest of checkpoint.pt and checkpoint/latest (whatever process count wrote it)."""
@@ -520,6 +525,8 @@ class Trainer:
                   "tokens_per_s": x_BT.numel() * self.world / (time.perf_counter() - step_start), "load_share": share}
         for key, value in record.items():
             self.history[key].append(value)
+        self.dashboards.log_step(self.step, self.model,
+                                 {k: v for k, v in record.items() if k not in ("step", "load_share")})
         self.updating = False
         return record
 
@@ -558,6 +565,7 @@ class Trainer:
             self.fault_point("validation", self.step)
             val_loss = evaluate(self.model, val_sampler, self.cfg.eval_batches, self.device)
             self.history["val_loss"].append([self.step, val_loss])
+            self.dashboards.log({"val/loss": val_loss}, self.step)
             history_path, plot_path = self.save()
             if not all_ranks_agree(stop.signum is None):
                 self.log(f"interrupted after the final checkpoint ({self.ckpt_path}, step {self.step})")
@@ -591,5 +599,6 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, log: Callable[[str], None] = p
     try:
         return trainer.run(progress)
     finally:
+        trainer.dashboards.close()
         if trainer.groups:
             dist.destroy_process_group()

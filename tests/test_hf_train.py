@@ -13,6 +13,7 @@ import torch  # noqa: E402
 
 from fmoe.cli import main  # noqa: E402
 from fmoe.hf.finetune import small_model  # noqa: E402
+from tests.test_train import scalar_events  # noqa: E402
 
 RUN = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--no-progress"]
 
@@ -38,8 +39,9 @@ def byte_loss(model, corpus_file) -> float:
 
 def check_export(out, before, corpus_file, steps=3):
     """`out` holds a plain transformers checkpoint of the same family, with a lower loss than `before`."""
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "history.json",
-                                                     "model.safetensors"]
+    # Beside the checkpoint: the run's history, and its TensorBoard logs when tensorboard is installed.
+    assert sorted(p.name for p in out.iterdir() if p.name != "tensorboard") == [
+        "config.json", "generation_config.json", "history.json", "model.safetensors"]
     history = json.loads((out / "history.json").read_text())
     assert history["step"] == list(range(1, steps + 1))
     after = transformers.AutoModelForCausalLM.from_pretrained(out)
@@ -50,8 +52,13 @@ def check_export(out, before, corpus_file, steps=3):
 
 def test_one_process(tmp_path, corpus_file):
     model_dir, out = saved(tmp_path, "qwen3_moe"), tmp_path / "out"
-    assert main(["train", "--hf-model", str(model_dir), *RUN, "--data", str(corpus_file), "--out", str(out)]) == 0
+    assert main(["train", "--hf-model", str(model_dir), *RUN, "--data", str(corpus_file), "--out", str(out),
+                 "--log", "tensorboard"]) == 0
     check_export(out, transformers.AutoModelForCausalLM.from_pretrained(model_dir), corpus_file)
+    scalars = scalar_events(out / "tensorboard")
+    steps = json.loads((out / "history.json").read_text())["step"]
+    for layer in range(2):
+        assert [s for s, _ in scalars[f"routing/model.layers.{layer}.mlp.moe/max_load"]] == steps
 
 
 def test_two_ranks_expert_parallel(tmp_path, corpus_file):

@@ -5,7 +5,9 @@ One 2-rank run does every stage and writes what it saw; the tests below read it:
      a checkpoint at step 3, then a fresh model resumed from it for steps 4-6;
   2. the MegatronMLP of a GPT layer against a standalone FMoETransformerMLP with its weights, and
      with a padding mask against the layer run on the real tokens alone;
-  3. one model trained at three layouts from the same checkpoint, the expert gradients reduced by
+  3. routing statistics: one step of 2 micro-batches with moe_per_layer_logging, logged through
+     Megatron-Core's MoE tracker;
+  4. one model trained at three layouts from the same checkpoint, the expert gradients reduced by
      Megatron's DDP each time: expert parallel 2 (data parallel 2), data parallel 2 with all experts
      on each rank (built with fmoefy, 2 microbatches a step), tensor parallel 2 + sequence parallel
      (expert parallel 2).
@@ -179,6 +181,36 @@ def stage_padding_mask():
             "routed": routed, "expected_routed": 2 * int(keep_SB.sum()), "bad_shape": bad_shape}
 
 
+class RecordingWriter:
+    """A TensorBoard writer that keeps what it is given."""
+
+    def __init__(self):
+        self.scalars = {}
+
+    def add_scalar(self, tag, value, step):
+        self.scalars[tag] = (step, float(value))
+
+
+def stage_routing_stats():
+    """Each layer's routing statistics of every micro-batch (this rank's tokens), from the slots and
+    logits its gate saw, and what log_moe_metrics wrote of them."""
+    from fmoe.megatron import training
+
+    dp_rank, dp_size = set_layout(1, 2)
+    model, optimizer = training.wrap(gpt(2, gate="naive", gate_kwargs={"capacity": 0.5}), lr=3e-3)
+    model.config.moe_per_layer_logging = True
+    routed = []
+    for layer in model.module.decoder.layers:
+        moe = layer.mlp.moe
+        routed.append([])
+        moe.gate_hook = lambda idx, w, _, seen=routed[-1], moe=moe: seen.append(
+            (idx.tolist(), moe.gate.last_logits_TE.tolist()))
+    train(model, optimizer, [0], dp_rank, dp_size, num_microbatches=2)
+    writer = RecordingWriter()
+    training.log_moe_metrics(model, 1, 2, writer=writer)
+    return {"routed": routed, "scalars": writer.scalars}
+
+
 def stage_layouts(ckpt):
     """Save after one step at expert parallel 2, then train 3 more steps at each layout from there."""
     from fmoe.megatron import training
@@ -202,6 +234,7 @@ def worker(rank, world_size, out_dir):
     result = {"train_and_resume": stage_train_and_resume(os.path.join(out_dir, "ckpt_resume")),
               "mlp": stage_mlp_matches_fmoe(),
               "padding": stage_padding_mask(),
+              "routing_stats": stage_routing_stats(),
               "layouts": stage_layouts(os.path.join(out_dir, "ckpt_layouts"))}
     parallel_state.destroy_model_parallel()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -257,3 +290,24 @@ def test_layouts_train_alike_from_one_checkpoint(runs):
     layouts = runs[0]["layouts"]
     for name in ("ep1_dp2_fmoefy", "tp2_sp_ep2"):
         assert layouts[name] == pytest.approx(layouts["ep2_dp2"], abs=1e-4), (name, layouts)
+
+
+def test_megatron_logs_each_layers_routing_statistics_averaged_over_micro_batches_and_ranks(runs):
+    from tests.test_stats import reference
+
+    stats_names = ("max_load", "mean_load", "load_cv", "empty_experts", "dropped_slots", "unrouted_slots",
+                   "router_entropy")
+    stages = [rank_runs["routing_stats"] for rank_runs in runs]
+    routing = [{tag: v for tag, v in stage["scalars"].items() if "routing_" in tag} for stage in stages]
+    assert len(routing[0]) == 7 * 3 and routing[0] == routing[1], "each statistic per layer and their average"
+    for layer in range(2):
+        micro = [m for stage in stages for m in stage["routed"][layer]]
+        assert len(micro) == 4, "2 ranks x 2 micro-batches"
+        expected = [reference(torch.tensor(idx), torch.tensor(logits), unrouted_by_gate=False) for idx, logits in micro]
+        assert all(e["dropped_slots"] > 0 for e in expected)
+        for name in stats_names:
+            step, value = stages[0]["scalars"][f"moe/routing_{name}_layer_{layer}"]
+            assert step == 1 and value == pytest.approx(sum(e[name] for e in expected) / 4, rel=1e-5), name
+    for name in stats_names:
+        assert stages[0]["scalars"][f"routing_{name}"][1] == pytest.approx(
+            sum(stages[0]["scalars"][f"moe/routing_{name}_layer_{i}"][1] for i in range(2)) / 2, rel=1e-5)

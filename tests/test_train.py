@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -136,6 +137,59 @@ def test_train_under_the_gpu_path_bf16_autocast(corpus_file, tmp_path, monkeypat
     assert all(torch.isfinite(torch.tensor(history["loss"]))) and len(history["val_loss"]) == 1
 
 
+def scalar_events(folder) -> dict:
+    """{tag: [(step, value), ...]} of the TensorBoard event files in `folder`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_holds_each_layers_load_every_step(corpus_file, tmp_path):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "run"
+    assert run_train(corpus_file, out, 5, "--gate", "gshard", "--log", "tensorboard") == 0
+    history = json.loads((out / "history.json").read_text())
+    scalars = scalar_events(out / "tensorboard")
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx(history["loss"], rel=1e-6)
+    assert scalars["val/loss"] == [(5, pytest.approx(history["val_loss"][0][1], rel=1e-6))]
+    for layer in range(2):
+        tag = f"routing/blocks.{layer}.moe"
+        counts_SE = torch.tensor([[v for _, v in scalars[f"{tag}/tokens_per_expert/{e}"]] for e in range(4)]).T
+        assert [s for s, _ in scalars[f"{tag}/max_load"]] == [1, 2, 3, 4, 5]
+        share_SE = torch.tensor(history["load_share"])[:, layer]
+        torch.testing.assert_close(counts_SE / counts_SE.sum(-1, keepdim=True), share_SE)
+        no_expert_S = torch.tensor([[v for _, v in scalars[f"{tag}/{k}"]] for k in ("dropped_slots", "unrouted_slots")])
+        torch.testing.assert_close(counts_SE.sum(-1) + no_expert_S.sum(0), torch.full((5,), 4.0 * 32 * 2))
+        assert [v for _, v in scalars[f"{tag}/max_load"]] == counts_SE.max(-1).values.tolist()
+        for key in ("mean_load", "load_cv", "empty_experts", "router_entropy"):
+            assert len(scalars[f"{tag}/{key}"]) == 5, key
+
+
+def test_log_none_writes_no_dashboard_and_bad_log_fails(corpus_file, tmp_path, capsys):
+    assert run_train(corpus_file, tmp_path / "quiet", 1, "--log", "none") == 0
+    assert not (tmp_path / "quiet" / "tensorboard").exists() and not (tmp_path / "quiet" / "wandb").exists()
+    with pytest.raises(SystemExit):
+        run_train(corpus_file, tmp_path / "bad", 1, "--log", "tensorbord")
+    assert "--log must be tensorboard, wandb, both comma-separated, or none, got 'tensorbord'" in capsys.readouterr().err
+
+
+def test_wandb_offline_run_holds_the_routing_statistics(corpus_file, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    assert run_train(corpus_file, out, 2, "--log", "wandb") == 0
+    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    # W&B's own service process writes the run file, and may finish a moment after the run did.
+    deadline = time.monotonic() + 60
+    while b"routing/blocks.1.moe/tokens_per_expert/3" not in runs[0].read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    records = runs[0].read_bytes()
+    assert b"routing/blocks.1.moe/tokens_per_expert/3" in records and b"train/loss" in records
+
+
 def test_interrupted_run_resumes_where_it_stopped(corpus_file, tmp_path, monkeypatch):
     assert run_train(corpus_file, tmp_path / "straight", 8, "--gate", "noisy") == 0
     straight = json.loads((tmp_path / "straight" / "history.json").read_text())
@@ -186,3 +240,9 @@ def test_train_on_two_processes_with_expert_parallelism_and_reshard_on_resume(co
     assert "resumed from" in second.stdout and "done: step 6" in second.stdout
     history = json.loads((out / "history.json").read_text())
     assert history["step"] == list(range(1, 7)) and all(map(lambda v: v == v, history["loss"]))
+    # Rank 0 logged the load of both ranks' tokens: 2 x batch 4 x 32 bytes x top-2 slots per layer and step.
+    scalars = scalar_events(out / "tensorboard")
+    slots_KS = [[v for _, v in scalars[f"routing/blocks.0.moe/{key}"]]
+                for key in ("tokens_per_expert/0", "tokens_per_expert/1", "tokens_per_expert/2", "tokens_per_expert/3",
+                            "dropped_slots", "unrouted_slots")]
+    assert [sum(step) for step in zip(*slots_KS)] == [2 * 4 * 32 * 2] * 6

@@ -7,6 +7,8 @@ GPU (NCCL), 8 GPUs, tensor parallel 2, expert parallel 4 (data parallel = 8 / 2 
         --expert-parallel-size 4 --hidden-size 1024 --num-layers 12 --num-attention-heads 16 --num-experts 16
 Save every 20 steps, then resume:
     ... --steps 40 --save ckpt --save-interval 20;  ... --steps 60 --load ckpt --save ckpt
+The loss and each layer's routing statistics (rank 0's tokens) to TensorBoard:
+    ... --tensorboard runs/megatron-moe
 """
 import argparse
 import json
@@ -63,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--save-interval", type=int, default=0, help="0: save only at the end (with --save)")
     p.add_argument("--load", default=None, help="checkpoint folder to resume from")
     p.add_argument("--log-json", default=None, help="write the losses to this JSON file (rank 0)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="log the loss and Megatron's MoE metrics with each layer's routing statistics here (rank 0)")
     return p.parse_args(argv)
 
 
@@ -82,7 +86,7 @@ def gpt_config(args, dense: bool = False, **overrides) -> TransformerConfig:
 
 
 def build_model(args) -> GPTModel:
-    config = gpt_config(args, dense=args.fmoefy)
+    config = gpt_config(args, dense=args.fmoefy, moe_per_layer_logging=args.tensorboard is not None)
     if args.fmoefy:
         model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB_SIZE,
                          max_sequence_length=args.seq_len)
@@ -126,11 +130,20 @@ def main(argv=None):
               f"{args.expert_parallel_size}, data parallel {parallel_state.get_data_parallel_world_size()}; "
               f"{args.num_experts} experts, top-{args.top_k}, {args.gate} gate; from step {start}", flush=True)
     log = {"step": [], "loss": []}
+    writer = None
+    if args.tensorboard and rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(args.tensorboard)
     tick, since_log = time.perf_counter(), 0
     for step in range(start, args.steps):
         loss, grad_norm = training.train_step(model, optimizer, microbatches(bytes_N, args, step))
         log["step"].append(step + 1)
         log["loss"].append(loss)
+        if args.tensorboard:
+            training.log_moe_metrics(model, step + 1, args.num_microbatches, writer)
+            if writer is not None:
+                writer.add_scalar("lm loss", loss, step + 1)
         since_log += 1
         if rank == 0 and ((step + 1) % args.log_interval == 0 or step + 1 == args.steps):
             ms = (time.perf_counter() - tick) * 1e3 / since_log
@@ -140,6 +153,8 @@ def main(argv=None):
             training.save_checkpoint(args.save, model, optimizer, step + 1)
     if args.save and (not args.save_interval or args.steps % args.save_interval):
         training.save_checkpoint(args.save, model, optimizer, args.steps)
+    if writer is not None:
+        writer.close()
     if rank == 0 and args.log_json:
         with open(args.log_json, "w") as f:
             json.dump(log, f)

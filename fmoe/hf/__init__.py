@@ -8,8 +8,10 @@
   that no two of them hold all experts at once.
 - `moefy(model, num_experts)`: upcycle a dense model's MLPs into fmoe layers;
   `from_pretrained(path)` reloads what `save_pretrained` wrote after `moefy`.
+- `RoutingStatsCallback.add_to(trainer)`: every MoE layer's routing statistics in a Trainer's logs.
 - Importing this package registers the experts implementation "fmoe" with transformers.
 """
+from fmoe.hf.callback import RoutingStatsCallback
 from fmoe.hf.convert import HFMoEBlock, convert, converted_blocks
 from fmoe.hf.experts_impl import register_experts_implementation
 from fmoe.hf.export import export
@@ -20,4 +22,4 @@ from fmoe.hf.upcycle import MoEMLP, add_aux_loss, from_pretrained, moefy
 register_experts_implementation()
 
 __all__ = ["convert", "load", "export", "converted_blocks", "HFMoEBlock", "FAMILIES", "moefy", "from_pretrained",
-           "MoEMLP", "add_aux_loss", "register_experts_implementation"]
+           "MoEMLP", "add_aux_loss", "register_experts_implementation", "RoutingStatsCallback"]

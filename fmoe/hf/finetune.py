@@ -18,6 +18,7 @@ import torch.distributed as dist
 import transformers
 
 import fmoe.hf
+from fmoe.dashboards import Dashboards, parse_log
 from fmoe.data import BatchSampler, load_corpus
 from fmoe.distributed.ddp import DistributedGroupedDataParallel, clip_grad_norm_
 from fmoe.files import write_json
@@ -87,14 +88,17 @@ def finetune(hf_model: str, cfg: TrainConfig, seq_len: int = 128,
     if launched_by_torchrun():
         end_with_parent()
     groups = init_distributed(cfg) if launched_by_torchrun() else None
+    dashboards = Dashboards(parse_log(cfg.log), Path(cfg.out), {"hf_model": str(hf_model), "train": asdict(cfg)},
+                            write=not groups or dist.get_rank() == 0)
     try:
-        return _finetune(hf_model, cfg, seq_len, groups, log)
+        return _finetune(hf_model, cfg, seq_len, groups, dashboards, log)
     finally:
+        dashboards.close()
         if groups:
             dist.destroy_process_group()
 
 
-def _finetune(hf_model, cfg, seq_len, groups, log) -> FinetuneResult:
+def _finetune(hf_model, cfg, seq_len, groups, dashboards, log) -> FinetuneResult:
     rank = dist.get_rank() if groups else 0
     world = dist.get_world_size() if groups else 1
     log = log if rank == 0 else (lambda message: None)
@@ -140,6 +144,7 @@ def _finetune(hf_model, cfg, seq_len, groups, log) -> FinetuneResult:
         optimizer.step()
         for key, value in (("step", step + 1), ("loss", mean), ("lr", lr), ("grad_norm", grad_norm.item())):
             history[key].append(value)
+        dashboards.log_step(step + 1, model, {"loss": mean, "lr": lr, "grad_norm": history["grad_norm"][-1]})
         if step % every == 0 or step == cfg.steps - 1:
             log(f"step {step + 1:4d}  loss {mean:.3f}  lr {lr:.2e}")
     seconds = time.perf_counter() - start

@@ -13,6 +13,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 from torch import nn
 
 from fmoe.layer import FMoE
+from fmoe.stats import in_recompute
 
 
 def require_parallel_state(who: str):
@@ -144,7 +145,21 @@ class MegatronMLP(MegatronModule):
                 # The main loss is then a sum over tokens, divided by the global token count later.
                 scaled = scaled * num_tokens
             output = MoEAuxLossAutoScaler.apply(output, scaled)
+        if self.training and self.config.moe_per_layer_logging and not in_recompute():
+            self.track_routing_stats()
         return output, None
+
+    def track_routing_stats(self):
+        """This forward's routing statistics, each a `routing_<statistic>` in Megatron-Core's tracker,
+        where they add up over the micro-batches of a step on the device; logged, each rank's value
+        is averaged over the data-parallel ranks. (tokens_per_expert, a vector, stays on the layer:
+        `fmoe.routing_stats(model, over="world")` sums it over all ranks.)"""
+        for key, value in self.moe.routing_stats.items():
+            if key != "tokens_per_expert":
+                # reduce_group_has_dp: megatron-core >= 0.19 would average over the same ranks again.
+                save_to_aux_losses_tracker(f"routing_{key}", value.float(), self.layer_number, self.config.num_layers,
+                                           avg_group=parallel_state.get_data_parallel_group(),
+                                           reduce_group_has_dp=True)
 
     @staticmethod
     def real_tokens(hidden_states: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@
     model = GPTModel(config, get_gpt_layer_with_fmoe_spec(...), ...)   # or fmoefy(model, ...)
     model, optimizer = wrap(model, lr=...)
     loss, grad_norm = train_step(model, optimizer, [(tokens_BT, labels_BT), ...])
+    log_moe_metrics(model, iteration, num_microbatches, writer, wandb_writer)
     save_checkpoint(path, model, optimizer, iteration); load_checkpoint(path, model, optimizer)
 
 It uses Megatron's own DistributedDataParallel, optimizer, schedule and distributed checkpointing,
@@ -19,6 +20,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
 from fmoe.megatron import cpu_compat
 
@@ -98,6 +100,17 @@ def train_step(model, optimizer, microbatches: Sequence[Tuple[torch.Tensor, torc
     loss = torch.stack([d["lm loss"] for d in losses]).mean().reshape(1)
     dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
     return loss.item() / parallel_state.get_data_parallel_world_size(), float(grad_norm)
+
+
+def log_moe_metrics(model, iteration: int, num_microbatches: int, writer=None, wandb_writer=None):
+    """What Megatron-Core's MoE tracker gathered over the last step, averaged over its micro-batches
+    (the balance loss and, with `moe_per_layer_logging`, fmoe's routing statistics of each layer), to
+    a TensorBoard `writer` and a W&B run as Megatron-LM's training loop logs them (`<name>` averaged
+    over the layers, `moe/<name>_layer_<i>` per layer); the tracker then starts afresh. Every rank
+    calls it (the pipeline stages' layers are gathered)."""
+    config = _unwrap(model).config
+    track_moe_metrics(loss_scale=1 / num_microbatches, iteration=iteration, writer=writer, wandb_writer=wandb_writer,
+                      per_layer_logging=config.moe_per_layer_logging, num_layers=config.num_layers)
 
 
 def _rng_state() -> dict:
