@@ -251,3 +251,65 @@ def test_export_is_atomic_per_file(tmp_path, monkeypatch):
         fmoe.hf.export(model, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["exported"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_convert_and_load_keep_each_modules_mode(family, tmp_path):
+    model = tiny(family).eval()
+    converted = fmoe.hf.convert(copy.deepcopy(model))
+    assert not any(m.training for m in converted.modules())
+    ids = tokens()
+    with torch.no_grad():           # eval routing: deterministic and equal to transformers' (PhiMoE, Mixtral too)
+        want = model(ids).logits
+        for _ in range(2):
+            torch.testing.assert_close(converted(ids).logits, want, **TOL)
+    assert fmoe.hf.convert(copy.deepcopy(model).train()).training
+    assert all(m.training for m in fmoe.hf.convert(copy.deepcopy(model).train()).modules())
+    model.save_pretrained(tmp_path)
+    loaded = fmoe.hf.load(tmp_path)
+    assert not any(m.training for m in loaded.modules())
+
+
+def test_convert_keeps_a_shared_experts_own_mode():
+    model = tiny("qwen2_moe").eval()
+    (name, block), = find_moe_blocks(model)[-1:]
+    block.shared_expert.train()
+    converted = fmoe.hf.convert(model)
+    new = converted.get_submodule(name)
+    assert new.moe.shared_experts[0].training and not new.moe.gate.training and not new.training
+
+
+def test_moefy_takes_the_mlps_mode():
+    from tests.hf_models import COMMON
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, intermediate_size=24)).eval()
+    fmoe.hf.moefy(model, num_experts=4)
+    assert not any(m.training for m in model.modules())
+
+
+def learned_bias_model(family):
+    model = fmoe.hf.convert(tiny(family), selection_bias="updated")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    fmoe.register_bias_update(model, optimizer)
+    model.train()(tokens(), labels=tokens()).loss.backward()
+    optimizer.step()
+    return model.eval()
+
+
+def test_export_refuses_to_drop_a_learned_selection_bias(tmp_path):
+    model = learned_bias_model("qwen3_moe")
+    with pytest.raises(ValueError, match=r"e_score_correction_bias.*qwen3_moe.*drop_selection_bias=True"):
+        fmoe.hf.export(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="drop_selection_bias"):
+        model.save_pretrained(tmp_path / "saved")
+    fmoe.hf.export(model, tmp_path / "dropped", drop_selection_bias=True)
+    assert (tmp_path / "dropped" / "model.safetensors").is_file()
+
+
+def test_export_keeps_a_learned_selection_bias_where_the_family_holds_one(tmp_path):
+    model = learned_bias_model("deepseek_v3")
+    assert any(g.e_score_correction_bias.any() for g in model.modules() if hasattr(g, "e_score_correction_bias"))
+    fmoe.hf.export(model, tmp_path)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(tokens()).logits, model(tokens()).logits, **TOL)

@@ -148,7 +148,18 @@ def build_block(plan: BlockPlan, ep_size: int, moe_group, options: dict) -> HFMo
         if family.shared_gate:
             moe.shared_expert_gate.weight.copy_(getattr(block, family.shared_gate).weight)
     jitter = family.input_jitter(plan.config) if family.input_jitter else 0.0
-    return HFMoEBlock(family.name, moe, recorder_for(getattr(block, family.router)), jitter)
+    new = HFMoEBlock(family.name, moe, recorder_for(getattr(block, family.router)), jitter)
+    return take_modes(new, block)
+
+
+def take_modes(new: nn.Module, old: nn.Module) -> nn.Module:
+    """`new` in `old`'s train / eval mode: modules it took over from `old` (a shared expert) keep
+    their own, the ones it built take `old`'s. A fresh module is in training mode, which would turn on
+    routing noise, jitter and the training capacity in a model the user had put in eval."""
+    kept = {id(m): m.training for m in old.modules()}
+    for module in new.modules():
+        module.training = kept.get(id(module), old.training)
+    return new
 
 
 def convert(model: nn.Module, ep_size: int = 1, moe_group: Optional[dist.ProcessGroup] = None, **options):

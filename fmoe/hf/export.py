@@ -46,11 +46,15 @@ def block_state(block: HFMoEBlock, pick=lambda t: t) -> dict:
     return {key: t.detach() for key, t in state.items() if t is not None}
 
 
-def hf_state_dict(model: nn.Module) -> dict:
-    """The model's state dict with every converted block in its family's layout (a collective under EP)."""
+def hf_state_dict(model: nn.Module, drop_selection_bias: bool = False) -> dict:
+    """The model's state dict with every converted block in its family's layout (a collective under EP).
+    A learned selection bias the family's layout has no slot for is refused, unless `drop_selection_bias`."""
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, HFMoEBlock)}
     if not blocks:
         raise ValueError(f"export: {type(model).__name__} holds no converted block (convert it with fmoe.hf.convert)")
+    if not drop_selection_bias:
+        for name, block in blocks.items():
+            check_nothing_dropped(name, block)
     state = {key: t for key, t in model.state_dict().items()
              if not any(key.startswith(name + ".") for name in blocks)}
     for name, block in blocks.items():
@@ -58,7 +62,21 @@ def hf_state_dict(model: nn.Module) -> dict:
     return state
 
 
-def save_pretrained(model: nn.Module, save_directory, *args, state_dict=None, **kwargs):
+def check_nothing_dropped(name: str, block: HFMoEBlock):
+    """A nonzero selection bias (learned with selection_bias="updated", or loaded) must have a slot in
+    the family's layout: plain transformers would route without it."""
+    family, gate = BY_NAME[block.family], block.moe.gate
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if bias is None or "e_score_correction_bias" in family.router_keys.values() or not bias.any():
+        return
+    raise ValueError(f"export: {name}.moe.gate.e_score_correction_bias (a selection bias, max |b| = "
+                     f"{bias.abs().max().item():.3g}) has no place in {family.name}'s checkpoint layout, and a "
+                     "model reloaded without it routes differently; pass drop_selection_bias=True to export "
+                     "without it")
+
+
+def save_pretrained(model: nn.Module, save_directory, *args, state_dict=None, drop_selection_bias: bool = False,
+                    **kwargs):
     """A converted model's `save_pretrained` (fmoe.hf.convert installs it): transformers' own, handed the
     state dict in the family's layout (`hf_state_dict`, what `export` writes), so that plain
     `from_pretrained` loads the routers and experts instead of initialising them at random. Under
@@ -71,18 +89,20 @@ def save_pretrained(model: nn.Module, save_directory, *args, state_dict=None, **
     if dist.is_available() and dist.is_initialized():
         kwargs.setdefault("is_main_process", dist.get_rank() == 0)
     return type(model).save_pretrained(model, save_directory, *args,
-                                       state_dict=hf_state_dict(model) if state_dict is None else state_dict,
+                                       state_dict=hf_state_dict(model, drop_selection_bias) if state_dict is None
+                                       else state_dict,
                                        **kwargs)
 
 
-def export(model: nn.Module, path) -> Path:
+def export(model: nn.Module, path, drop_selection_bias: bool = False) -> Path:
     """Write `model` (converted with fmoe.hf.convert) to the folder `path` as its original family's
     checkpoint: config.json and model.safetensors, which `AutoModelForCausalLM.from_pretrained(path)`
     loads with no fmoe installed. Under expert parallelism every rank must call it (the experts
-    are gathered); global rank 0 writes. The files are written into a staging folder beside `path`,
+    are gathered); global rank 0 writes. A learned selection bias the family's layout cannot hold is
+    refused unless `drop_selection_bias=True`. The files are written into a staging folder beside `path`,
     fsynced, then renamed into it: each file in `path` is whole, the old one or the new. Returns the path."""
     path = Path(path)
-    state = hf_state_dict(model)
+    state = hf_state_dict(model, drop_selection_bias)
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return path
     path.mkdir(parents=True, exist_ok=True)

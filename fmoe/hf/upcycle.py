@@ -26,6 +26,7 @@ try:
 except ImportError as err:     # pragma: no cover - depends on the install
     raise ImportError("fmoe.hf needs HuggingFace Transformers: pip install 'fmoe[hf]'") from err
 
+from fmoe.hf.convert import take_modes
 from fmoe.hf.families import find_moe_blocks
 from fmoe.layer import collect_aux_loss
 from fmoe.transformer import FMoETransformerMLP
@@ -88,7 +89,7 @@ def _moe_from_mlp(name: str, mlp: nn.Module, num_expert: int, top_k: int, gate, 
                 experts.b1_eF.copy_(b1_F.expand_as(experts.b1_eF))
                 experts.b2_eD.copy_(b2_D.expand_as(experts.b2_eD))
     dropout = getattr(mlp, "dropout", None)
-    return MoEMLP(moe, dropout if isinstance(dropout, nn.Dropout) else None)
+    return take_modes(MoEMLP(moe, dropout if isinstance(dropout, nn.Dropout) else None), mlp)
 
 
 def add_aux_loss(model: nn.Module, output, coef: float, labels_given: bool):
