@@ -45,10 +45,11 @@ def base_optimizer(optimizer) -> torch.optim.Optimizer:
     once per optimizer step whichever wrapper calls it."""
     seen = optimizer
     for _ in range(8):
-        if isinstance(seen, torch.optim.Optimizer):
+        # accelerate's AcceleratedOptimizer is an Optimizer subclass without hooks of its own: go inside.
+        inner = getattr(seen, "optimizer", None) or (getattr(seen, "chained_optimizers", None) or [None])[0]
+        if inner is None and isinstance(seen, torch.optim.Optimizer):
             return seen
-        chained = getattr(seen, "chained_optimizers", None)
-        seen = chained[0] if chained else getattr(seen, "optimizer", None)
+        seen = inner
     raise ValueError(f"optimizer must be a torch.optim.Optimizer or a wrapper holding one in .optimizer, "
                      f"got {type(optimizer).__name__}")
 
@@ -75,3 +76,10 @@ def register_bias_update(model: nn.Module, optimizer, group=None):
     handle = torch_optimizer.register_step_pre_hook(lambda *_: end_step(model))
     model.fmoe_bias_update_hook = handle
     return handle
+
+
+def register_bias_update_if_needed(model: nn.Module, optimizer, group=None):
+    """`register_bias_update` when `model` has a gate that needs it (the integrations call this)."""
+    if step_gates(model):
+        return register_bias_update(model, optimizer, group)
+    return None

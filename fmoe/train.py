@@ -22,6 +22,7 @@ from fmoe.distributed.timeout import collective_timeout
 from fmoe.files import WriteError, check_writable_folder, save_figure, save_torch, write_json
 from fmoe.gpt import GPT, GPTConfig
 from fmoe.layer import collect_aux_loss
+from fmoe.load_balancing import register_bias_update_if_needed
 
 WARMUP_FRACTION = 0.1
 MIN_LR_RATIO = 0.1
@@ -335,6 +336,7 @@ class Trainer:
         if cfg.compile:
             self.model.compile()
         self.optimizer = make_optimizer(self.model, cfg)
+        register_bias_update_if_needed(self.model, self.optimizer)     # a balancing bias moves once per step
         # Every rank reads its own batches.
         self.sampler = BatchSampler(self.corpus.train_N, cfg.batch_size, model_cfg.seq_len,
                                     cfg.seed + 1000 * self.rank)

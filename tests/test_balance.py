@@ -360,3 +360,41 @@ def test_checkpoint_keeps_counts_out_of_the_state_dict():
     assert "step_load_E" not in gate.state_dict() and "global_slots_E" not in gate.state_dict()
     assert "1.gate.e_score_correction_bias" in model.state_dict()
     assert copy.deepcopy(gate).step_load_E.dtype == torch.long
+
+
+# --- the integrations register the hook -------------------------------------------------------------
+
+def counting_end_step(monkeypatch):
+    import fmoe.load_balancing as lb
+    calls = []
+    original = lb.end_step
+    monkeypatch.setattr(lb, "end_step", lambda model: calls.append(1) or original(model))
+    return calls
+
+
+def test_fmoe_train_moves_the_bias_once_per_step(tmp_path, monkeypatch):
+    from tests.test_train import run_train
+    calls = counting_end_step(monkeypatch)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    assert run_train(corpus, tmp_path / "run", 3, "--gate", "balanced", "--log", "none") == 0
+    assert len(calls) == 3
+
+
+def test_hf_trainer_callback_moves_the_bias_once_per_optimizer_step(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+    import fmoe.hf
+    from tests import hf_models
+    calls = counting_end_step(monkeypatch)
+    torch.manual_seed(0)
+    model = fmoe.hf.convert(transformers.AutoModelForCausalLM.from_config(hf_models.config("qwen3_moe")),
+                            selection_bias="updated")
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(1, hf_models.VOCAB, (8, 16))]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+                                          gradient_accumulation_steps=2, report_to=[], save_strategy="no",
+                                          use_cpu=True, disable_tqdm=True, learning_rate=1e-3)
+    transformers.Trainer(model=model, args=args, train_dataset=data,
+                         callbacks=[fmoe.hf.BiasUpdateCallback()]).train()
+    assert len(calls) == 2
+    assert any(g.e_score_correction_bias.any() for g in model.modules() if hasattr(g, "e_score_correction_bias"))

@@ -5,6 +5,7 @@ import math
 import torch
 
 from fmoe.gates.base import BaseGate, LinearRouter
+from fmoe.gates.capacity import count_per_expert
 from fmoe.gates.distributed_capacity import limit_by_capacity
 
 
@@ -32,7 +33,7 @@ class DCGate(BaseGate):
         top_TK, idx_TK = torch.topk(logits_TE, 2, dim=-1)
         weight_TK = torch.softmax(top_TK.float(), dim=-1)
         T = x_TD.shape[0]
-        c_E = torch.bincount(idx_TK[:, 0], minlength=self.tot_expert).float() / max(T, 1)
+        c_E = count_per_expert(idx_TK[:, 0], self.tot_expert).float() / max(T, 1)
         m_E = torch.softmax(logits_TE.float(), dim=-1).mean(0)
         aux = torch.mean(c_E * m_E) * self.num_expert ** 2
         rate = self.capacity[0] if self.training else self.capacity[1]

@@ -261,7 +261,8 @@ class RouterGate(BaseGate):
     @torch.no_grad()
     def count_load(self, expert_idx_TK):
         """Adds this forward's chosen experts to the step's load, on the device (no collective)."""
-        if self.bias_update == "step" and not self.step_hooked and not getattr(self, "warned_unhooked", False):
+        if self.bias_update == "step" and not self.step_hooked and not getattr(self, "warned_unhooked", False) \
+                and not torch.compiler.is_compiling():      # Dynamo cannot trace a warning
             self.warned_unhooked = True
             warnings.warn(f"{self.label}: selection_bias='updated' moves the bias once per optimizer step: call "
                           "fmoe.register_bias_update(model, optimizer), or fmoe.end_step(model) after each step "

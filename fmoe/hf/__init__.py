@@ -9,9 +9,10 @@
 - `moefy(model, num_experts)`: upcycle a dense model's MLPs into fmoe layers;
   `from_pretrained(path)` reloads what `save_pretrained` wrote after `moefy`.
 - `RoutingStatsCallback.add_to(trainer)`: every MoE layer's routing statistics in a Trainer's logs.
+- `BiasUpdateCallback()`: a learned selection bias moved once per Trainer optimizer step.
 - Importing this package registers the experts implementation "fmoe" with transformers.
 """
-from fmoe.hf.callback import RoutingStatsCallback
+from fmoe.hf.callback import BiasUpdateCallback, RoutingStatsCallback
 from fmoe.hf.convert import HFMoEBlock, convert, converted_blocks
 from fmoe.hf.experts_impl import register_experts_implementation
 from fmoe.hf.export import export
@@ -22,4 +23,5 @@ from fmoe.hf.upcycle import MoEMLP, add_aux_loss, from_pretrained, moefy
 register_experts_implementation()
 
 __all__ = ["convert", "load", "export", "converted_blocks", "HFMoEBlock", "FAMILIES", "moefy", "from_pretrained",
-           "MoEMLP", "add_aux_loss", "register_experts_implementation", "RoutingStatsCallback"]
+           "MoEMLP", "add_aux_loss", "register_experts_implementation", "RoutingStatsCallback",
+           "BiasUpdateCallback"]

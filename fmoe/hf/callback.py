@@ -1,6 +1,7 @@
 """RoutingStatsCallback: every fmoe MoE layer's routing statistics in the logs of a transformers Trainer."""
 from transformers import Trainer, TrainerCallback
 
+from fmoe.load_balancing import register_bias_update_if_needed
 from fmoe.stats import RoutingStatsMeter, scalars
 
 
@@ -36,3 +37,11 @@ class RoutingStatsCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.meter.close()
         self.meter = None
+
+
+class BiasUpdateCallback(TrainerCallback):
+    """Moves every updated selection bias once per optimizer step of a transformers Trainer, from the
+    load of all of that step's micro-batches (`fmoe.register_bias_update` on the Trainer's optimizer)."""
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        register_bias_update_if_needed(model, optimizer)

@@ -22,6 +22,7 @@ from fmoe.dashboards import Dashboards, parse_log
 from fmoe.data import BatchSampler, load_corpus
 from fmoe.distributed.ddp import DistributedGroupedDataParallel, clip_grad_norm_
 from fmoe.files import write_json
+from fmoe.load_balancing import register_bias_update_if_needed
 from fmoe.train import (TrainConfig, end_with_parent, init_distributed, launched_by_torchrun, lr_at,
                         make_optimizer, mean_over_ranks, resolve_device)
 
@@ -113,6 +114,7 @@ def _finetune(hf_model, cfg, seq_len, groups, dashboards, log) -> FinetuneResult
     model.to(device)
     synced = DistributedGroupedDataParallel(model, groups=groups) if groups else None
     optimizer = make_optimizer(model, cfg)
+    register_bias_update_if_needed(model, optimizer)
     sampler = BatchSampler(corpus.train_N, cfg.batch_size, seq_len + 1, cfg.seed + 1000 * rank)   # every rank its own
     log(f"model: {type(model).__name__} from {hf_model}, {len(fmoe.hf.converted_blocks(model))} MoE blocks "
         f"converted, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on this rank, device {device}"

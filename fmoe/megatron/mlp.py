@@ -93,6 +93,7 @@ class MegatronMLP(MegatronModule):
                             activation=activation_from_config(config), expert_bias=config.add_bias_linear,
                             backend=backend, shadow=shadow)
         self.moe.to(dtype=config.params_dtype)
+        self.moe.sequence_first = True      # Megatron's hidden states are [s, b, h]: aux_loss="sequence" reads them so
         if config.perform_initialization:
             self.init_like_megatron()
         for p in self.moe.experts.parameters():

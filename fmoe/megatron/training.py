@@ -22,6 +22,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
+from fmoe.load_balancing import register_bias_update_if_needed
 from fmoe.megatron import cpu_compat
 
 
@@ -69,6 +70,7 @@ def wrap(model: torch.nn.Module, lr: float = 1e-3, weight_decay: float = 0.0, cl
                         params_dtype=config.params_dtype), [ddp])
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
+    register_bias_update_if_needed(model, optimizer)      # the gate is replicated on every rank: "world"
     return ddp, optimizer
 
 
