@@ -77,7 +77,7 @@ def check_compiled_routing(gate, training: bool, grad: bool):
     assert torch.equal(got[0], want[0]), (got[0], want[0])
     for g, w in zip(got[1:], want[1:]):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-    if hasattr(gate, "e_score_correction_bias"):
+    if hasattr(gate, "step_load_E"):
         assert torch.equal(compiled_gate.step_load_E, eager.step_load_E)
 
 
