@@ -268,9 +268,12 @@ class ModuleListExperts(nn.ModuleList):
         # The split sizes are read on the host: under torch.compile this is a graph break.
         counts = counts_e.tolist()
         chunks = torch.split(x_ND, counts + [x_ND.shape[0] - sum(counts)])   # last: rows of dropped slots
-        outs = [self.expert_forward(e, chunk) for e, chunk in enumerate(chunks[:-1]) if chunk.shape[0]]
+        outs = [self.expert_forward(e, chunk) if chunk.shape[0] else chunk for e, chunk in enumerate(chunks[:-1])]
         # The experts' width and dtype (under torch.autocast, not the input's) for the dropped rows.
-        like = outs[0] if outs else x_ND
+        like = next((y for y in outs if y.shape[0]), x_ND)
+        # Empty chunks stay in: with no rows at all the output must still reach x_ND in the backward
+        # (the exchange's backward on this rank is a collective the others wait in).
+        outs = [y if y.shape[0] else y.to(like.dtype) for y in outs]
         return torch.cat(outs + [like.new_zeros(chunks[-1].shape[0], like.shape[-1])], dim=0)
 
     def expert_forward(self, e: int, x_TD):
