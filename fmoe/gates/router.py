@@ -304,6 +304,8 @@ def end_step_of(gates, group, what: str, bias_only: bool = False):
 def check_aux_losses(aux_loss, aux_loss_coef) -> dict:
     """{loss name: coefficient} from RouterGate's `aux_loss` and `aux_loss_coef` arguments."""
     if aux_loss is None:
+        if not isinstance(aux_loss_coef, dict):
+            check_float("aux_loss_coef", aux_loss_coef)
         return {}
     names = (aux_loss,) if isinstance(aux_loss, str) else aux_loss
     if not isinstance(names, (tuple, list)) or not names or any(n not in AUX_LOSSES for n in names) \
