@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fmoe.gates.load_state import in_recompute
+
 
 @dataclass
 class RoutingTally:
@@ -121,11 +123,6 @@ def scalars(stats_by_layer: Dict[str, dict], prefix: str = "routing") -> Dict[st
             else:
                 out[f"{prefix}/{layer}/{key}"] = float(value)
     return out
-
-
-def in_recompute() -> bool:
-    """Whether this forward runs inside a backward pass: activation checkpointing recomputing it."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class RoutingStatsMeter:

@@ -24,9 +24,7 @@ SELECTION_BIAS = (None, "frozen", "updated")
 GROUP_SCORE = ("top2_sum", "max")
 
 
-def load_balancing_loss(logits_TE: torch.Tensor, top_k: int) -> torch.Tensor:
-    """transformers' `load_balancing_loss_func` (Switch Transformer) over one layer's tokens."""
-    return switch_loss(logits_TE, top_k)
+load_balancing_loss = switch_loss      # its earlier name: transformers' load_balancing_loss_func
 
 
 class SparseMixerGrad(torch.autograd.Function):

@@ -13,7 +13,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 from torch import nn
 
 from fmoe.layer import FMoE
-from fmoe.stats import in_recompute
+from fmoe.gates.load_state import in_recompute
 
 
 def require_parallel_state(who: str):
