@@ -9,8 +9,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from fmoe import kernels
+from fmoe.kernels import torch_ops
 
 ACTIVATIONS = ("gelu", "relu", "swiglu")
+# What the experts keep for backward: the pre-activation ("activation", the default), nothing
+# but their input ("experts": the first GEMM is redone), or every intermediate ("none").
+RECOMPUTE = ("activation", "experts", "none")
+
+
+def check_recompute(recompute) -> str:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    return recompute
 
 
 class GatedActivation(nn.Module):
@@ -181,9 +191,10 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_expert: int, d_model: int, d_hidden: int, activation="gelu", bias: bool = True,
-                 backend=None):
+                 backend=None, recompute: str = "activation"):
         super().__init__()
         self.backend = backend
+        self.recompute = check_recompute(recompute)
         for name, value in (("num_expert", num_expert), ("d_model", d_model), ("d_hidden", d_hidden)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -215,6 +226,20 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_ND, counts_e):
         return self.run(x_ND, counts_e, self.w1_eDF, self.w2_eFD, self.b1_eF, self.b2_eD)
+
+    @property
+    def lean(self) -> bool:
+        """Whether `weighted` runs the lean MLP: recompute is not "none" and the activation has a
+        spec the kernels know (an arbitrary callable keeps what autograd keeps for it)."""
+        return self.recompute != "none" and torch_ops.fused_activation_ok(fused_activation_spec(self.activation))
+
+    def weighted(self, x_XD, counts_e, weight_N=None, rows_N=None, row_of_slot_TK=None):
+        """weight_N[r] * expert_e(x[rows_N[r]]) for expert e's rows r, through the lean MLP
+        (`fmoe.kernels.weighted_mlp`); needs `self.lean`."""
+        return kernels.weighted_mlp(x_XD, counts_e, fused_activation_spec(self.activation), self.w1_eDF,
+                                    self.w2_eFD, self.b1_eF, self.b2_eD, rows_N=rows_N,
+                                    row_of_slot_TK=row_of_slot_TK, weight_N=weight_N,
+                                    keep_hidden=self.recompute == "activation", backend=self.backend)
 
     def run(self, x_ND, counts_e, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
         """The experts' MLP with the given stacked weights (shadowing passes pulled ones)."""

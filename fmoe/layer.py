@@ -15,7 +15,7 @@ from fmoe.distributed.schedule import group_size_from_env, schedule_enabled_by_e
 from fmoe.distributed.shadow import BufferPool, ShadowPull, make_shadow_policy
 from fmoe.distributed.slicing import gather_rows, slice_rows
 from fmoe.distributed.timeout import set_current_layer
-from fmoe.experts import GroupedExperts, ModuleListExperts
+from fmoe.experts import GroupedExperts, ModuleListExperts, check_recompute
 from fmoe.fastmoe_state import rename_router, stack_experts
 from fmoe.gates import BaseGate, NaiveGate, make_gate
 from fmoe.gates.base import accepts_keyword, routing_from_fastmoe_gate
@@ -98,8 +98,9 @@ class FMoE(nn.Module):
                  moe_group=None, top_k=2, gate=NaiveGate, expert=None, gate_hook=None, mask=None, mask_dict=None,
                  gate_bias=True, d_hidden=None, activation="gelu", expert_bias=True, gate_kwargs=None,
                  backend: Optional[str] = None, shadow=None, schedule=None, schedule_group_size=None,
-                 shared_expert=None, shared_expert_gate=False, fp32_combine=False):
+                 shared_expert=None, shared_expert_gate=False, fp32_combine=False, recompute="activation"):
         super().__init__()
+        self.recompute = check_recompute(recompute)
         positive_int("d_model", d_model)
         if not isinstance(fp32_combine, bool):
             raise ValueError(f"fp32_combine must be a bool, got {fp32_combine!r}")
@@ -138,12 +139,13 @@ class FMoE(nn.Module):
         elif expert is not None:
             self.experts = ModuleListExperts(expert, num_expert, d_model)
         elif d_hidden is not None:
-            self.experts = GroupedExperts(num_expert, d_model, d_hidden, activation, bias=expert_bias, backend=backend)
+            self.experts = GroupedExperts(num_expert, d_model, d_hidden, activation, bias=expert_bias, backend=backend,
+                                          recompute=recompute)
             check_activation(self.experts.activation, self.experts.w1_eDF.shape[-1], d_hidden)
         else:
             self.experts = None     # FastMoE's fused pattern: the subclass assigns self.experts
         self.mask, self.mask_dict = check_mask(mask, mask_dict)
-        self.shared_experts = make_shared_experts(shared_expert, d_model, activation, expert_bias)
+        self.shared_experts = make_shared_experts(shared_expert, d_model, activation, expert_bias, recompute)
         if shared_expert_gate and self.shared_experts is None:
             raise ValueError("shared_expert_gate=True needs shared_expert= (a module, a list of them or a d_hidden)")
         self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if shared_expert_gate else None
@@ -265,11 +267,15 @@ class FMoE(nn.Module):
             expert_idx_TK = expert_idx_TK.masked_fill(self.token_mask(x_TD[0])[:, None] != 0, -1)
         plan = RoutingPlan.build(expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
                                  self.shadow_policy)
-        x_ND = [kernels.permute(t, plan, self.backend) for t in x_TD]
-        y_ND = self.run_experts(x_ND[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_ND, spec), plan)
-        if isinstance(y_ND, torch.Tensor):
-            self.check_expert_output(y_ND)
-        y_TD = [kernels.unpermute(t, plan, routing.weight_TK, self.backend) for t in tree_flatten(y_ND)[0]]
+        if self.runs_lean(moe_inp, plan):
+            y_TD, out_spec = [self.lean_experts(x_TD[0], plan, routing.weight_TK)], None
+        else:
+            x_ND = [kernels.permute(t, plan, self.backend) for t in x_TD]
+            y_ND = self.run_experts(x_ND[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_ND, spec), plan)
+            if isinstance(y_ND, torch.Tensor):
+                self.check_expert_output(y_ND)
+            y_TD = [kernels.unpermute(t, plan, routing.weight_TK, self.backend) for t in tree_flatten(y_ND)[0]]
+            out_spec = tree_flatten(y_ND)[1]
         if self.mask_dict is not None:
             y_TD = [self.add_masked(t, x_TD[0], routing.weight_TK) for t in y_TD]
         if self.shared_experts is not None:
@@ -281,7 +287,7 @@ class FMoE(nn.Module):
         self.record(routing, plan)
         # Not a view of the rows: FSDP2 hooks the output.
         out = [t if len(lead) == 1 else t.reshape(*lead, t.shape[-1]).clone() for t in y_TD]
-        return out[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(out, tree_flatten(y_ND)[1])
+        return out[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(out, out_spec)
 
     def token_mask(self, x_TD):
         mask_T = self.mask.reshape(-1).to(x_TD.device)
@@ -308,6 +314,29 @@ class FMoE(nn.Module):
         if self.shared_expert_gate is not None:
             y_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * y_TD
         return y_TD
+
+    def runs_lean(self, moe_inp, plan: RoutingPlan) -> bool:
+        """Whether this forward takes the lean path (`lean_experts`): stacked experts with a known
+        activation and recompute other than "none", the default expert_fn, one input tensor, and,
+        across ranks, no shadowing or pipelined schedule (those run the rows as they are)."""
+        experts = self.experts
+        return (isinstance(moe_inp, torch.Tensor) and isinstance(experts, GroupedExperts) and experts.lean
+                and type(experts).forward is GroupedExperts.forward and type(self).expert_fn is FMoE.expert_fn
+                and not self.fp32_combine
+                and (plan.exchange is None or (plan.shadow is None and not self.schedule)))
+
+    def lean_experts(self, x_TD, plan: RoutingPlan, weight_TK):
+        """The routed experts' output per token: each row weighted inside the experts' MLP, so the
+        backward keeps x, the pre-activation and the routing, nothing of size T*K*D."""
+        weight_N = weight_TK.reshape(-1).index_select(0, plan.slot_N)
+        if plan.exchange is None:
+            y_ND = self.experts.weighted(x_TD, plan.counts_E, weight_N, plan.token_N, plan.row_of_slot_TK)
+        else:
+            # The permuted rows only travel; the received ones are the experts' input, kept once.
+            x_RD = exchange.dispatch(kernels.permute(x_TD, plan, self.backend), plan)
+            weight_R = exchange.dispatch(weight_N[:, None], plan)[:, 0]
+            y_ND = exchange.combine(self.experts.weighted(x_RD, plan.local_counts_e, weight_R), plan)
+        return kernels.sum_rows(y_ND, plan, self.backend).to(autocast_dtype(x_TD) or x_TD.dtype)
 
     def run_experts(self, x_ND, plan: RoutingPlan):
         """Rows in expert order -> expert outputs in the same order, wherever the experts live."""
@@ -361,7 +390,8 @@ class FMoE(nn.Module):
         return 0 if self.last_num_dropped is None else int(self.last_num_dropped)
 
 
-def make_shared_experts(shared_expert, d_model: int, activation, bias: bool) -> Optional[nn.ModuleList]:
+def make_shared_experts(shared_expert, d_model: int, activation, bias: bool,
+                        recompute: str = "activation") -> Optional[nn.ModuleList]:
     """FMoE's `shared_expert` argument as a ModuleList (None when there are none)."""
     if shared_expert is None:
         return None
@@ -370,7 +400,7 @@ def make_shared_experts(shared_expert, d_model: int, activation, bias: bool) -> 
     elif isinstance(shared_expert, int) and not isinstance(shared_expert, bool):
         if shared_expert < 1:
             raise ValueError(f"shared_expert as a d_hidden must be a positive int, got {shared_expert!r}")
-        shared_expert = [SharedExpertMLP(d_model, shared_expert, activation, bias)]
+        shared_expert = [SharedExpertMLP(d_model, shared_expert, activation, bias, recompute)]
     if not isinstance(shared_expert, (list, tuple, nn.ModuleList)) or not shared_expert or \
             not all(isinstance(m, nn.Module) for m in shared_expert):
         raise ValueError("shared_expert must be a module, a non-empty list of modules or a d_hidden int, "
@@ -381,12 +411,16 @@ def make_shared_experts(shared_expert, d_model: int, activation, bias: bool) -> 
 class SharedExpertMLP(nn.Module):
     """One dense MLP, the routed experts' MLP without the routing (one expert of a GroupedExperts)."""
 
-    def __init__(self, d_model: int, d_hidden: int, activation="gelu", bias: bool = True):
+    def __init__(self, d_model: int, d_hidden: int, activation="gelu", bias: bool = True,
+                 recompute: str = "activation"):
         super().__init__()
-        self.mlp = GroupedExperts(1, d_model, d_hidden, activation, bias=bias)
+        self.mlp = GroupedExperts(1, d_model, d_hidden, activation, bias=bias, recompute=recompute)
 
     def forward(self, x_TD):
-        return self.mlp.expert_forward(0, x_TD)
+        if not self.mlp.lean:
+            return self.mlp.expert_forward(0, x_TD)
+        # Every token is one row of the single expert: it keeps x and the pre-activation only.
+        return self.mlp.weighted(x_TD, torch.full((1,), x_TD.shape[0], dtype=torch.int64, device=x_TD.device))
 
 
 def is_plain_module_gate(gate) -> bool:

@@ -13,10 +13,10 @@ from fmoe.distributed.groups import make_groups
 D, H = 8, 16
 
 
-def build_pair(gate, top_k, e, world, rank, gate_bias=None, group=None):
+def build_pair(gate, top_k, e, world, rank, gate_bias=None, group=None, **layer_kwargs):
     """The same layer twice: all experts in one process, and this rank's share of expert parallelism."""
     torch.manual_seed(0)
-    kw = dict(d_model=D, d_hidden=H, top_k=top_k, gate=gate)
+    kw = dict(d_model=D, d_hidden=H, top_k=top_k, gate=gate, **layer_kwargs)
     if gate in ("gshard", "switch"):
         kw["gate_kwargs"] = {"capacity": None}
     full = fmoe.FMoETransformerMLP(num_expert=e * world, **kw)
@@ -75,6 +75,28 @@ def check_layer_matches_single_process(rank, world):
             dist.all_reduce(grad)
             ref = q.grad if q.grad is not None else torch.zeros_like(q)
             torch.testing.assert_close(grad, ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} gate {name}: {m}")
+
+
+def check_recompute_modes_match_single_process(rank, world):
+    """Each recompute mode and activation, expert-parallel, equals one process running the default."""
+    for activation in ("gelu", "swiglu"):
+        ref_full, _ = build_pair("naive", 2, 2, world, rank, activation=activation)
+        for mode in ("activation", "experts", "none"):
+            _, ep = build_pair("naive", 2, 2, world, rank, activation=activation, recompute=mode)
+            g = torch.Generator().manual_seed(42)
+            x_all = torch.randn(6 * world, D, generator=g, requires_grad=True)
+            probe = torch.randn(6 * world, D, generator=g)
+            out_all = ref_full(x_all)
+            (out_all * probe).sum().backward()
+            x = x_all.detach()[6 * rank:6 * (rank + 1)].clone().requires_grad_(True)
+            out = ep(x)
+            (out * probe[6 * rank:6 * (rank + 1)]).sum().backward()
+            torch.testing.assert_close(out, out_all[6 * rank:6 * (rank + 1)], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(x.grad, x_all.grad[6 * rank:6 * (rank + 1)], atol=1e-5, rtol=1e-5)
+            for name, p in ep.experts.named_parameters():
+                ref = getattr(ref_full.experts, name).grad[rank * 2:(rank + 1) * 2]
+                torch.testing.assert_close(p.grad, ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{mode} {name}: {m}")
+            ref_full.zero_grad()
 
 
 def check_autocast_matches_single_process(rank, world):

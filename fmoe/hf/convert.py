@@ -26,7 +26,7 @@ from fmoe.gates.router import RouterGate
 from fmoe.hf.families import BY_BLOCK, BY_NAME, ExpertWeights, Family, find_moe_blocks
 from fmoe.layer import FMoE, check_world
 
-FMOE_OPTIONS = ("backend", "shadow", "schedule", "schedule_group_size")   # go to FMoE; other options to the gate
+FMOE_OPTIONS = ("backend", "shadow", "schedule", "schedule_group_size", "recompute")   # go to FMoE; other options to the gate
 
 
 class LogitsRecorder(nn.Module):

@@ -15,7 +15,7 @@ import torch
 
 from fmoe.autocast import autocast_dtype
 from fmoe.env import env_choice
-from fmoe.kernels import torch_ops
+from fmoe.kernels import ops, torch_ops
 from fmoe.routing import RoutingPlan
 
 BACKENDS = ("torch", "triton")
@@ -158,3 +158,32 @@ def fused_expert_mlp(x_ND, counts_e, activation: str, w1_eDF, w2_eFD, b1_eF=None
     """act(x_seg @ w1[e] + b1[e]) @ w2[e] + b2[e], expert by expert (CPU, torch backend); `activation`
     is a spec string (`fmoe.experts.fused_activation_spec`)."""
     return torch_ops.expert_mlp(x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)
+
+
+def _impl(tensor: torch.Tensor, backend: Optional[str]) -> str:
+    """The `impl` the `fmoe::` ops take for this tensor and backend."""
+    if _triton(tensor, backend):
+        return "triton"
+    return "torch_sync_free" if sync_free(tensor) else "torch"
+
+
+@like_linear_under_autocast
+def weighted_mlp(x_XD, counts_e, activation: str, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None, *,
+                 rows_N=None, row_of_slot_TK=None, weight_N=None, keep_hidden: bool = True,
+                 backend: Optional[str] = None) -> torch.Tensor:
+    """weight_N[r] * (act(x[rows_N[r]] @ w1[e] + b1[e]) @ w2[e] + b2[e]) for expert e's rows r.
+
+    The lean expert MLP (`fmoe.kernels.lean`): x is read through `rows_N` (its rows as they
+    are when None; `row_of_slot_TK` then sums x's gradient back per token), and the backward keeps
+    x, the routing and, with `keep_hidden`, the pre-activation; without it, the first GEMM is
+    recomputed. `activation` is a spec string (`fmoe.experts.fused_activation_spec`).
+    """
+    if (rows_N is None) != (row_of_slot_TK is None):
+        raise ValueError("weighted_mlp: rows_N and row_of_slot_TK go together (pass both or neither)")
+    return ops.weighted_mlp(x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, activation, w1_eDF, w2_eFD,
+                            b1_eF, b2_eD, keep_hidden, _impl(x_XD, backend))[0]
+
+
+def sum_rows(y_ND: torch.Tensor, plan: RoutingPlan, backend: Optional[str] = None) -> torch.Tensor:
+    """out[t] = the sum of token t's rows (already weighted), dropped slots adding nothing."""
+    return ops.sum_rows(y_ND, plan.token_N, plan.row_of_slot_TK, _impl(y_ND, backend))

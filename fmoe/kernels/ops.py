@@ -14,7 +14,7 @@ from torch import Tensor
 IMPLS = ("torch", "torch_sync_free", "triton")
 
 
-def _run(impl: str, name: str, *args):
+def run_impl(impl: str, name: str, *args):
     """Call implementation `name` of `impl` (the torch ones take the sync-free switch)."""
     if impl == "triton":
         from fmoe.kernels import triton_ops
@@ -29,7 +29,7 @@ def _run(impl: str, name: str, *args):
 
 @torch.library.custom_op("fmoe::permute", mutates_args=())
 def permute(x_TD: Tensor, token_N: Tensor, row_of_slot_TK: Tensor, impl: str) -> Tensor:
-    return _run(impl, "permute_rows", x_TD, token_N)
+    return run_impl(impl, "permute_rows", x_TD, token_N)
 
 
 @permute.register_fake
@@ -53,7 +53,7 @@ permute.register_autograd(_permute_backward, setup_context=_permute_setup)
 @torch.library.custom_op("fmoe::gather_sum", mutates_args=())
 def gather_sum(y_ND: Tensor, row_of_slot_TK: Tensor, weight_TK: Optional[Tensor], impl: str) -> Tensor:
     """out[t] = sum_k weight[t, k] * y[row_of_slot[t, k]], dropped slots (row -1) adding nothing."""
-    return _run(impl, "gather_sum", y_ND, row_of_slot_TK, weight_TK)
+    return run_impl(impl, "gather_sum", y_ND, row_of_slot_TK, weight_TK)
 
 
 @gather_sum.register_fake
@@ -66,7 +66,7 @@ def _(y_ND, row_of_slot_TK, weight_TK, impl):
 @torch.library.custom_op("fmoe::unpermute", mutates_args=())
 def unpermute(y_ND: Tensor, weight_TK: Tensor, token_N: Tensor, slot_N: Tensor, row_of_slot_TK: Tensor,
               impl: str) -> Tensor:
-    return _run(impl, "gather_sum", y_ND, row_of_slot_TK, weight_TK)
+    return run_impl(impl, "gather_sum", y_ND, row_of_slot_TK, weight_TK)
 
 
 @unpermute.register_fake
@@ -110,7 +110,7 @@ def _(grad_TD, y_ND, weight_TK, token_N, slot_N, row_of_slot_TK, impl):
 
 @torch.library.custom_op("fmoe::grouped_mm", mutates_args=())
 def grouped_mm(x_NI: Tensor, w_eIO: Tensor, counts_e: Tensor, bias_eO: Optional[Tensor], impl: str) -> Tensor:
-    return _run(impl, "grouped_mm_rows", x_NI, w_eIO, counts_e, None, bias_eO)
+    return run_impl(impl, "grouped_mm_rows", x_NI, w_eIO, counts_e, None, bias_eO)
 
 
 @grouped_mm.register_fake
@@ -141,7 +141,7 @@ grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_set
 def gather_grouped_mm(x_TD: Tensor, token_N: Tensor, w_eIO: Tensor, counts_e: Tensor, row_of_slot_TK: Tensor,
                       bias_eO: Optional[Tensor], impl: str) -> Tensor:
     """grouped_mm of the rows x_TD[token_N] (Triton reads them in place)."""
-    return _run(impl, "grouped_mm_rows", x_TD, w_eIO, counts_e, token_N, bias_eO)
+    return run_impl(impl, "grouped_mm_rows", x_TD, w_eIO, counts_e, token_N, bias_eO)
 
 
 @gather_grouped_mm.register_fake
@@ -177,7 +177,7 @@ gather_grouped_mm.register_autograd(_gather_grouped_mm_backward, setup_context=_
 def grouped_mm_weight_grad(x_XI: Tensor, dy_NO: Tensor, counts_e: Tensor, rows_N: Optional[Tensor],
                            impl: str) -> Tensor:
     """dw[e] = x[rows of e]^T @ dy[rows of e] (x's rows read through rows_N when given)."""
-    return _run(impl, "grouped_mm_weight_grad", x_XI, dy_NO, counts_e, rows_N)
+    return run_impl(impl, "grouped_mm_weight_grad", x_XI, dy_NO, counts_e, rows_N)
 
 
 @grouped_mm_weight_grad.register_fake
@@ -188,7 +188,7 @@ def _(x_XI, dy_NO, counts_e, rows_N, impl):
 @torch.library.custom_op("fmoe::expert_row_sums", mutates_args=())
 def expert_row_sums(dy_NO: Tensor, counts_e: Tensor, dtype: torch.dtype, impl: str) -> Tensor:
     """Per-expert sums of dy's rows (the bias gradient)."""
-    return _run(impl, "expert_row_sums", dy_NO, counts_e, dtype)
+    return run_impl(impl, "expert_row_sums", dy_NO, counts_e, dtype)
 
 
 @expert_row_sums.register_fake
@@ -253,3 +253,90 @@ def _(dy_ND, x_ND, counts_e, activation, w1_eDF, w2_eFD, h_NF, with_bias):
 
 def expert_mlp(x_ND, counts_e, activation: str, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
     return expert_mlp_with_hidden(x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)[0]
+
+
+# The lean expert MLP (`fmoe.kernels.lean`): rows read from x through rows_N, outputs scaled by
+# their routing weights; saved: x, the routing and, with keep_hidden, the pre-activation.
+
+@torch.library.custom_op("fmoe::weighted_mlp", mutates_args=())
+def weighted_mlp(x_XD: Tensor, rows_N: Optional[Tensor], row_of_slot_TK: Optional[Tensor], counts_e: Tensor,
+                 weight_N: Optional[Tensor], activation: str, w1_eDF: Tensor, w2_eFD: Tensor,
+                 b1_eF: Optional[Tensor], b2_eD: Optional[Tensor], keep_hidden: bool, impl: str) -> Tuple[Tensor, Tensor]:
+    from fmoe.kernels import lean
+    return lean.forward(impl, x_XD, rows_N, counts_e, weight_N, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)
+
+
+@weighted_mlp.register_fake
+def _(x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, activation, w1_eDF, w2_eFD, b1_eF, b2_eD, keep_hidden, impl):
+    N = x_XD.shape[0] if rows_N is None else rows_N.shape[0]
+    y_dtype = x_XD.dtype if weight_N is None else torch.promote_types(x_XD.dtype, torch.float32)
+    return x_XD.new_empty(N, w2_eFD.shape[2], dtype=y_dtype), x_XD.new_empty(N, w1_eDF.shape[2])
+
+
+def _weighted_mlp_setup(ctx, inputs, output):
+    x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, activation, w1_eDF, w2_eFD, b1_eF, b2_eD, keep_hidden, impl = inputs
+    ctx.save_for_backward(x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, w1_eDF, w2_eFD, b1_eF, b2_eD,
+                          output[1] if keep_hidden else None)
+    ctx.activation, ctx.impl = activation, impl
+    # h is returned only to be saved: no N x F zero gradient for it on every backward.
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _weighted_mlp_backward(ctx, dy_ND, _grad_h):
+    x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF = ctx.saved_tensors
+    if dy_ND is None:
+        return (None,) * 12
+    grads = weighted_mlp_backward(dy_ND.contiguous(), x_XD, rows_N, row_of_slot_TK, counts_e, weight_N,
+                                  ctx.activation, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF, ctx.impl)
+    dx, dweight, dw1, dw2, db1, db2 = grads
+    return (dx, None, None, None, dweight if weight_N is not None else None, None, dw1, dw2,
+            db1 if b1_eF is not None else None, db2 if b2_eD is not None else None, None, None)
+
+
+weighted_mlp.register_autograd(_weighted_mlp_backward, setup_context=_weighted_mlp_setup)
+
+
+@torch.library.custom_op("fmoe::weighted_mlp_backward", mutates_args=())
+def weighted_mlp_backward(dy_ND: Tensor, x_XD: Tensor, rows_N: Optional[Tensor], row_of_slot_TK: Optional[Tensor],
+                          counts_e: Tensor, weight_N: Optional[Tensor], activation: str, w1_eDF: Tensor,
+                          w2_eFD: Tensor, b1_eF: Optional[Tensor], b2_eD: Optional[Tensor], h_NF: Optional[Tensor],
+                          impl: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d weight_N, dw1, dw2, db1, db2); an absent weight or bias gets an empty tensor."""
+    from fmoe.kernels import lean
+    grads = lean.backward(impl, dy_ND, x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, activation,
+                          w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF)
+    return tuple(dy_ND.new_empty(0) if g is None else g for g in grads)
+
+
+@weighted_mlp_backward.register_fake
+def _(dy_ND, x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, activation, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF, impl):
+    dweight = dy_ND.new_empty(0) if weight_N is None else torch.empty_like(weight_N)
+    db1 = dy_ND.new_empty(0) if b1_eF is None else torch.empty_like(b1_eF)
+    db2 = dy_ND.new_empty(0) if b2_eD is None else torch.empty_like(b2_eD)
+    return torch.empty_like(x_XD), dweight, torch.empty_like(w1_eDF), torch.empty_like(w2_eFD), db1, db2
+
+
+# sum_rows: each token's rows added up, unweighted (the rows came weighted from weighted_mlp).
+
+@torch.library.custom_op("fmoe::sum_rows", mutates_args=())
+def sum_rows(y_ND: Tensor, token_N: Tensor, row_of_slot_TK: Tensor, impl: str) -> Tensor:
+    return run_impl(impl, "gather_sum", y_ND, row_of_slot_TK, None)
+
+
+@sum_rows.register_fake
+def _(y_ND, token_N, row_of_slot_TK, impl):
+    return y_ND.new_empty(row_of_slot_TK.shape[0], y_ND.shape[1])
+
+
+def _sum_rows_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], inputs[2])
+    ctx.impl = inputs[3]
+
+
+def _sum_rows_backward(ctx, grad_TD):
+    token_N, row_of_slot_TK = ctx.saved_tensors
+    return permute(grad_TD.contiguous(), token_N, row_of_slot_TK, ctx.impl), None, None, None
+
+
+sum_rows.register_autograd(_sum_rows_backward, setup_context=_sum_rows_setup)

@@ -44,14 +44,15 @@ class MegatronMLP(MegatronModule):
     and tagged `allreduce = False`, which is how Megatron's DDP and optimizer recognise expert
     parameters. The gate's balance loss times `aux_loss_coeff` reaches the training loss through
     Megatron's MoEAuxLossAutoScaler, as its own router's does. `shadow` (True or a ShadowPolicy)
-    turns on FasterMoE's shadowing of hot experts over the expert-parallel group, as on FMoE.
+    turns on FasterMoE's shadowing of hot experts over the expert-parallel group, as on FMoE;
+    `recompute` chooses what the experts keep for backward, as on FMoE.
     Built on the GPU when there is one.
     """
 
     def __init__(self, config: TransformerConfig, num_experts: Optional[int] = None, top_k: Optional[int] = None,
                  gate="naive", gate_kwargs: Optional[dict] = None, aux_loss_coeff: Optional[float] = None,
                  ffn_hidden_size: Optional[int] = None, backend: Optional[str] = None, shadow=None, pg_collection=None,
-                 is_mtp_layer: bool = False, name: Optional[str] = None):
+                 is_mtp_layer: bool = False, name: Optional[str] = None, recompute: str = "activation"):
         # pg_collection, is_mtp_layer and name are what megatron-core >= 0.17 passes every MLP builder.
         super().__init__(config=config)
         self.name = name
@@ -91,7 +92,7 @@ class MegatronMLP(MegatronModule):
                             gate=gate, gate_kwargs=gate_kwargs, gate_bias=config.add_bias_linear,
                             d_hidden=ffn_hidden_size or config.moe_ffn_hidden_size or config.ffn_hidden_size,
                             activation=activation_from_config(config), expert_bias=config.add_bias_linear,
-                            backend=backend, shadow=shadow)
+                            backend=backend, shadow=shadow, recompute=recompute)
         self.moe.to(dtype=config.params_dtype)
         self.moe.sequence_first = True      # Megatron's hidden states are [s, b, h]: aux_loss="sequence" reads them so
         if config.perform_initialization:
