@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test test-modes test-megatron19 clean
+.PHONY: setup demo test test-modes aot test-megatron19 clean
 
 # The venv sees the system site-packages so an installed torch (CPU or CUDA) is reused,
 # never replaced by a multi-GB download.
@@ -24,6 +24,10 @@ test: setup
 # Every gate and preset x train / eval x capacity x grad, compiled with Inductor against eager.
 test-modes: setup
 	FMOE_TEST_ALL_MODES=1 $(BIN)/python -m pytest -q tests/test_modes.py
+
+# Every Triton kernel compiled for sm_80 and sm_90 (no GPU needed): registers, spills, shared memory.
+aot: setup
+	env -u TRITON_INTERPRET $(BIN)/python -m fmoe.kernels.aot --jobs 2
 
 # megatron-core >= 0.17 declares Python >= 3.12 and ships cp312 wheels only, yet its Python code runs on 3.11
 # (its one compiled module serves Megatron's datasets, which fmoe does not use). So the wheel is unpacked into

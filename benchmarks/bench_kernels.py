@@ -141,7 +141,7 @@ def bench_grouped_mm(shapes, dtype, device, bench):
         }, bench)
         add_rates(fwd_bwd, 3 * flops, "triton")
         print_table(f"grouped_mm forward+backward, {name}", fwd_bwd, "triton")
-        config = _launcher(_grouped_mm_kernel, x.device).best_config
+        config = _launcher(_grouped_mm_kernel, x.device, x.dtype).best_config
         rows.append({"shape": name, "rows": N, "in": I, "out": O, "experts": E, "counts": dist,
                      "counts_e": counts.tolist(), "triton_config": str(config), **relative_error(y, ref),
                      "results": fwd, "fwd_bwd": fwd_bwd})

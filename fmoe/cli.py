@@ -274,6 +274,30 @@ def backend_lines():
         yield f"{name}: {value}"
 
 
+AOT_REPORT = "benchmarks/results/kernels-aot.json"
+
+
+def add_info_args(p: argparse.ArgumentParser):
+    p.add_argument("--aot", nargs="?", const=AOT_REPORT, default=None, metavar="PATH",
+                   help="also print the AOT compile report of the Triton kernels (registers, spills, shared memory "
+                        f"per GPU target; written by `python -m fmoe.kernels.aot --out PATH`; default PATH: {AOT_REPORT})")
+
+
+def aot_lines(path: str):
+    import json
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--aot: no report at {path}; write one with `python -m fmoe.kernels.aot --out {path}`")
+    with open(path) as f:
+        doc = json.load(f)
+    yield f"{path}: triton {doc['triton']}, {len(doc['rows'])} compiles, {len(doc['problems'])} problems"
+    for where, s in doc["summary"].items():
+        yield (f"{where:<15} at most {s['max_registers']} registers, {s['max_spill_stores']} bytes spilled, "
+               f"{s['max_shared'] // 1024} KB shared memory (limit {s['shared_limit'] // 1024} KB)")
+    for line in doc["problems"]:
+        yield f"PROBLEM {line}"
+
+
 def run_info(args):
     import platform
 
@@ -287,10 +311,10 @@ def run_info(args):
     print("kernel backends:")
     for line in backend_lines():
         print(f"  {line}")
-
-
-def no_arguments(p: argparse.ArgumentParser):
-    """For a subcommand without options."""
+    if args.aot:
+        print("Triton kernels compiled ahead of time:")
+        for line in aot_lines(args.aot):
+            print(f"  {line}")
 
 
 def from_module(name: str):
@@ -308,7 +332,8 @@ COMMANDS = {
                  *from_module("fmoe.simulate")),
     "convert": ("MoE checkpoints between fmoe's, Megatron-Core's and HF's layouts, every expert counted",
                 *from_module("fmoe.convert")),
-    "info": ("versions, device and usable kernel backends", no_arguments, run_info),
+    "info": ("versions, device and usable kernel backends (--aot: the kernels' AOT compile report)",
+             add_info_args, run_info),
 }
 
 

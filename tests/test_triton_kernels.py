@@ -208,12 +208,27 @@ def test_backend_report(monkeypatch):
     monkeypatch.delenv("FMOE_BACKEND", raising=False)
     report = kernels.backend_report()
     assert report["importable"] == {"torch": True, "triton": True}
-    assert report["cpu_tensors"] == "torch" and report["cuda_tensors"] == "triton"
+    assert report["cpu_tensors"] == "torch (not CUDA)"
     assert report["TRITON_INTERPRET"] == (os.environ.get("TRITON_INTERPRET") == "1")
     monkeypatch.setenv("FMOE_BACKEND", "triton")
-    assert kernels.backend_report()["cpu_tensors"] == "triton"
+    assert kernels.backend_report()["cpu_tensors"] == "triton (FMOE_BACKEND)"
     monkeypatch.setenv("FMOE_BACKEND", "cutlass")
     assert kernels.backend_report()["cpu_tensors"].startswith("error: ")
+
+
+@pytest.mark.parametrize("capability, backend", [((7, 0), "torch"), ((7, 5), "torch"), ((8, 0), "triton"),
+                                                 ((8, 9), "triton"), ((9, 0), "triton")])
+def test_cuda_tensors_get_triton_from_sm80_on(monkeypatch, capability, backend):
+    """Before Ampere Triton's tl.dot has no tensor cores, so the experts run on cuBLAS (the torch path)."""
+    monkeypatch.delenv("FMOE_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    gpu = torch.device("cuda", 0)
+    assert kernels.backend_for_device(gpu) == backend
+    assert kernels.backend_report()["cuda:0_tensors"].startswith(f"{backend} (sm_{capability[0]}{capability[1]}")
+    assert kernels.backend_for_device(gpu, "triton") == "triton"     # an explicit choice wins
+    monkeypatch.setenv("FMOE_BACKEND", "triton")
+    assert kernels.backend_for_device(gpu) == "triton"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -1,7 +1,9 @@
 """The kernel seam: `permute`, `unpermute`, `grouped_mm` (and the fused `gather_grouped_mm`), torch or Triton.
 
-Triton is chosen for CUDA tensors when it imports, torch elsewhere; `backend=` or the
-environment variable `FMOE_BACKEND=torch|triton` force one. Every op is an `fmoe::` custom op
+Triton is chosen for CUDA tensors on GPUs of compute capability 8.0 or later (A100, H100, ...)
+when it imports, torch elsewhere: before Ampere, Triton's tl.dot has no tensor-core path, so
+its GEMMs would run on the CUDA cores while cuBLAS (the torch path) uses the tensor cores.
+`backend=` or the environment variable `FMOE_BACKEND=torch|triton` force one. Every op is an `fmoe::` custom op
 (`fmoe.kernels.ops`), so `torch.compile` traces through it. The torch backend runs *sync-free*
 (counts never read on the host) under torch.compile, on CUDA tensors, or with FMOE_SYNC_FREE=1;
 otherwise, on the CPU in eager mode, it loops over host counts where that is faster.
@@ -9,7 +11,7 @@ Under torch.autocast the GEMMs run as nn.Linear's do there (`like_linear_under_a
 """
 import functools
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -41,21 +43,43 @@ def check_backend(backend: Optional[str]) -> Optional[str]:
     return backend or env_choice("FMOE_BACKEND", BACKENDS)
 
 
-def _choose(is_cuda: bool, backend: Optional[str]) -> str:
+# The first compute capability where Triton's tl.dot runs on tensor cores (mma.sync; wgmma on 9.0).
+TRITON_MIN_CAPABILITY = (8, 0)
+
+
+def cuda_capability(device: torch.device) -> Tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device."""
+    return torch.cuda.get_device_capability(device)
+
+
+def gpu_backend(capability: Tuple[int, int]) -> Tuple[str, str]:
+    """(backend, why) that CUDA tensors on a GPU of this compute capability get by default."""
+    sm = "sm_{}{}".format(*capability)
+    if capability < TRITON_MIN_CAPABILITY:
+        return "torch", (f"{sm} is before sm_80: Triton's GEMMs would run on the CUDA cores there, "
+                         "cuBLAS reaches the tensor cores")
+    if not triton_available():
+        return "torch", f"{sm}: fmoe.kernels.triton_ops does not import"
+    return "triton", f"{sm} is sm_80 or later: Triton's GEMMs use the tensor cores"
+
+
+def backend_for_device(device: Optional[torch.device], backend: Optional[str] = None) -> str:
+    """The backend for tensors on `device` (None: not a CUDA device), `backend` or FMOE_BACKEND first."""
     choice = check_backend(backend)
     if choice is not None:
         if choice == "triton" and not triton_available():
             raise ValueError("backend='triton' was asked for but fmoe.kernels.triton_ops cannot be imported")
         return choice
-    return "triton" if is_cuda and triton_available() else "torch"
+    return "torch" if device is None else gpu_backend(cuda_capability(device))[0]
 
 
 def resolve_backend(tensor: torch.Tensor, backend: Optional[str] = None) -> str:
-    return _choose(tensor.is_cuda, backend)
+    return backend_for_device(tensor.device if tensor.is_cuda else None, backend)
 
 
 def backend_report() -> dict:
-    """Which backends import and which one CUDA and CPU tensors get now (`fmoe info` prints it)."""
+    """Which backends import and which one each visible GPU's and CPU tensors get now, and why
+    (`fmoe info` prints it)."""
     report = {
         "importable": {"torch": True, "triton": triton_available()},
         "triton_import_error": triton_import_error(),
@@ -63,13 +87,22 @@ def backend_report() -> dict:
         "cuda_available": torch.cuda.is_available(),
         "FMOE_BACKEND": os.environ.get("FMOE_BACKEND"),
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"),
+        "cuda_rule": "triton on sm_80 and later, torch (cuBLAS) before",
     }
-    for key, is_cuda in (("cuda_tensors", True), ("cpu_tensors", False)):
+    devices = [(f"cuda:{i}_tensors", torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
+    for key, device in devices + [("cpu_tensors", None)]:
         try:
-            report[key] = _choose(is_cuda, None)
+            report[key] = _explained_choice(device)
         except ValueError as err:
             report[key] = f"error: {err}"
     return report
+
+
+def _explained_choice(device: Optional[torch.device]) -> str:
+    chosen = backend_for_device(device)
+    if check_backend(None) is not None:
+        return f"{chosen} (FMOE_BACKEND)"
+    return f"{chosen} ({'not CUDA' if device is None else gpu_backend(cuda_capability(device))[1]})"
 
 
 def sync_free(tensor: torch.Tensor) -> bool:

@@ -143,45 +143,72 @@ def _config(m, n, k, group, warps, stages):
                          num_warps=warps, num_stages=stages)
 
 
-# One config per line: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages). The last of each
-# list is small enough for fp32 operands in the shared memory of every GPU of its generation.
+# One config per line: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages), per generation and dot
+# mode (`dot_mode`). The first of each list is the one FMOE_TRITON_AUTOTUNE=0 pins. Each was
+# compiled for its GPUs at a Mixtral shape by `python -m fmoe.kernels.aot` (tests/test_kernels_aot.py):
+# none spills a register or needs more shared memory than a block may have. That is why fp32
+# keeps BLOCK_K at 32 on Hopper (at 64 it needs 256-288 KB), why Ampere has no 128x256 or
+# 4-warp 128x128 tile (255 registers and spills), and why fp32 without TF32 (CUDA-core FMA, no
+# tensor cores) gets small tiles only.
 _GPU_CONFIGS = {
-    "hopper": [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4),
-               (64, 128, 64, 8, 4, 4), (64, 64, 64, 8, 4, 3)],
-    "ampere": [(128, 256, 32, 8, 8, 3), (128, 128, 32, 8, 4, 4), (64, 128, 32, 8, 4, 4),
-               (64, 64, 32, 8, 4, 3)],
-    "volta": [(128, 128, 32, 8, 8, 2), (64, 64, 32, 8, 4, 2)],
+    ("hopper", "16bit"): [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4),
+                          (64, 128, 64, 8, 4, 4), (64, 64, 64, 8, 4, 3)],
+    ("hopper", "tf32"): [(128, 256, 32, 8, 8, 3), (128, 128, 32, 8, 8, 4), (128, 128, 64, 8, 8, 3),
+                         (64, 128, 32, 8, 4, 4), (64, 64, 32, 8, 4, 4)],
+    ("hopper", "ieee"): [(64, 64, 32, 8, 4, 3), (128, 64, 16, 8, 8, 3)],
+    ("ampere", "16bit"): [(128, 128, 32, 8, 8, 4), (128, 128, 64, 8, 8, 3), (64, 128, 32, 8, 4, 4),
+                          (64, 64, 32, 8, 4, 3)],
+    ("ampere", "tf32"): [(128, 128, 32, 8, 8, 3), (128, 128, 16, 8, 8, 4), (64, 128, 32, 8, 4, 3),
+                         (64, 64, 32, 8, 4, 3)],
+    ("ampere", "ieee"): [(64, 64, 16, 8, 4, 3)],
+    # Only under FMOE_BACKEND=triton: before sm_80 fmoe.kernels picks the torch path (cuBLAS).
+    ("volta", "16bit"): [(128, 128, 32, 8, 8, 2), (64, 64, 32, 8, 4, 2)],
 }
+_GPU_CONFIGS.update({("volta", mode): _GPU_CONFIGS["volta", "16bit"] for mode in ("tf32", "ieee")})
 _INTERPRETER_CONFIG = (16, 16, 16, 1, 1, 1)
 
 
-def _generation(device: torch.device) -> str:
-    major, _ = torch.cuda.get_device_capability(device)
+def generation_of(major: int) -> str:
+    """The config family of a CUDA compute capability's major version."""
     return "hopper" if major >= 9 else "ampere" if major >= 8 else "volta"
 
 
+def dot_mode(dtype: torch.dtype) -> str:
+    """How tl.dot multiplies `dtype` on a GPU: "16bit", "tf32" (fp32 while torch allows TF32 matmuls)
+    or "ieee" (fp32 otherwise: exact, on the CUDA cores)."""
+    if dtype != torch.float32:
+        return "16bit"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def gpu_configs(generation: str, mode: str, autotune: bool = True):
+    """The triton.Configs a GEMM kernel is tuned over (only the first without autotuning)."""
+    if generation == "interpreter":
+        rows = [_INTERPRETER_CONFIG]
+    else:
+        if (generation, mode) not in _GPU_CONFIGS:
+            raise ValueError(f"no configs for generation {generation!r} and dot mode {mode!r}; "
+                             f"known: {sorted(_GPU_CONFIGS)}")
+        rows = _GPU_CONFIGS[generation, mode]
+    return [_config(*r) for r in (rows if autotune else rows[:1])]
+
+
 @functools.lru_cache(maxsize=None)
-def _tuned(kernel, generation: str, autotune: bool):
-    """`kernel` autotuned over its generation's configs (or its first alone), keyed on the GEMM widths."""
-    rows = [_INTERPRETER_CONFIG] if generation == "interpreter" else _GPU_CONFIGS[generation]
-    configs = [_config(*r) for r in (rows if autotune else rows[:1])]
-    return triton.autotune(configs, key=["I", "O", "GATHER"])(kernel)
+def _tuned(kernel, generation: str, mode: str, autotune: bool):
+    """`kernel` autotuned over its configs, keyed on the GEMM widths."""
+    return triton.autotune(gpu_configs(generation, mode, autotune), key=["I", "O", "GATHER"])(kernel)
 
 
-def _launcher(kernel, device: torch.device):
+def _launcher(kernel, device: torch.device, dtype: torch.dtype):
     """The kernel to launch: FMOE_TRITON_AUTOTUNE=0 skips tuning (fewer compiles, e.g. for tests)."""
-    generation = "interpreter" if interpreting() else _generation(device)
-    return _tuned(kernel, generation, os.environ.get("FMOE_TRITON_AUTOTUNE", "1") != "0")
+    generation = "interpreter" if interpreting() else generation_of(torch.cuda.get_device_capability(device)[0])
+    return _tuned(kernel, generation, dot_mode(dtype), os.environ.get("FMOE_TRITON_AUTOTUNE", "1") != "0")
 
 
-def _dot_modes(dtype: torch.dtype):
-    """(UPCAST, INPUT_PRECISION) for tl.dot.
-
-    The interpreter multiplies bf16 wrongly, so it gets fp32 operands; on a GPU, fp32 GEMMs use
-    TF32 exactly when torch's matmuls are allowed to.
-    """
-    tf32 = dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32
-    return interpreting(), "tf32" if tf32 else "ieee"
+def _dot_args(dtype: torch.dtype) -> dict:
+    """UPCAST and INPUT_PRECISION for tl.dot: the interpreter multiplies bf16 wrongly, so it gets fp32
+    operands; on a GPU the dot mode decides."""
+    return {"UPCAST": interpreting(), "INPUT_PRECISION": "ieee" if dot_mode(dtype) == "ieee" else "tf32"}
 
 
 def _check_kernel_device(t: torch.Tensor):
@@ -192,32 +219,45 @@ def _check_kernel_device(t: torch.Tensor):
         )
 
 
+def grouped_mm_launch(x_XI, w_eIO, counts_e, rows_N, bias_eO, y_NO):
+    """(kernel, args, constexprs) of the launch that fills y_NO; `fmoe.kernels.aot` compiles the same."""
+    N, O = y_NO.shape
+    E, I, _ = w_eIO.shape
+    # Unread stand-ins keep the argument list fixed when there is no gather or no bias.
+    rows_arg = x_XI if rows_N is None else rows_N
+    bias_arg, bias_strides = (w_eIO, (0, 0)) if bias_eO is None else (bias_eO, bias_eO.stride())
+    args = (x_XI, rows_arg, w_eIO, bias_arg, y_NO, counts_e, N, I, O, E,
+            *x_XI.stride(), *w_eIO.stride(), *bias_strides, *y_NO.stride())
+    return _grouped_mm_kernel, args, dict(GATHER=rows_N is not None, HAS_BIAS=bias_eO is not None,
+                                          E_POW2=triton.next_power_of_2(E), **_dot_args(x_XI.dtype))
+
+
 def grouped_mm_rows(x_XI, w_eIO, counts_e, rows_N=None, bias_eO=None):
     """y[r] = x[rows_N[r]] @ w[e] (+ bias_eO[e]) over expert e's rows r (rows_N[r] = r when None)."""
     _check_kernel_device(x_XI)
     N = x_XI.shape[0] if rows_N is None else rows_N.shape[0]
-    E, I, O = w_eIO.shape
+    E, _, O = w_eIO.shape
     y_NO = x_XI.new_zeros(N, O)     # rows past the last segment (dropped slots) stay zero
     if N == 0 or O == 0:
         return y_NO
-    upcast, precision = _dot_modes(x_XI.dtype)
-    kernel = _launcher(_grouped_mm_kernel, x_XI.device)
-    # Unread stand-ins keep the argument list fixed when there is no gather or no bias.
-    rows_arg = x_XI if rows_N is None else rows_N
-    bias_arg, bias_strides = (w_eIO, (0, 0)) if bias_eO is None else (bias_eO, bias_eO.stride())
+    kernel, args, constexprs = grouped_mm_launch(x_XI, w_eIO, counts_e, rows_N, bias_eO, y_NO)
 
     def grid(meta):
         num_tiles_m = triton.cdiv(N, meta["BLOCK_M"]) + E
         return (num_tiles_m * triton.cdiv(O, meta["BLOCK_N"]),)
 
-    kernel[grid](
-        x_XI, rows_arg, w_eIO, bias_arg, y_NO, counts_e,
-        N, I, O, E,
-        *x_XI.stride(), *w_eIO.stride(), *bias_strides, *y_NO.stride(),
-        GATHER=rows_N is not None, HAS_BIAS=bias_eO is not None, UPCAST=upcast, INPUT_PRECISION=precision,
-        E_POW2=triton.next_power_of_2(E),
-    )
+    _launcher(kernel, x_XI.device, x_XI.dtype)[grid](*args, **constexprs)
     return y_NO
+
+
+def weight_grad_launch(x_XI, dy_NO, counts_e, rows_N, dw_eIO):
+    """(kernel, args, constexprs) of the launch that fills dw_eIO; `fmoe.kernels.aot` compiles the same."""
+    N, O = dy_NO.shape
+    E, I = counts_e.shape[0], x_XI.shape[1]
+    args = (x_XI, x_XI if rows_N is None else rows_N, dy_NO, dw_eIO, counts_e, N, I, O, E,
+            *x_XI.stride(), *dy_NO.stride(), *dw_eIO.stride())
+    return _grouped_mm_weight_grad_kernel, args, dict(GATHER=rows_N is not None, E_POW2=triton.next_power_of_2(E),
+                                                      **_dot_args(x_XI.dtype))
 
 
 def grouped_mm_weight_grad(x_XI, dy_NO, counts_e, rows_N=None):
@@ -228,19 +268,12 @@ def grouped_mm_weight_grad(x_XI, dy_NO, counts_e, rows_N=None):
     dw_eIO = x_XI.new_empty(E, I, O)
     if N == 0 or I == 0 or O == 0:
         return dw_eIO.zero_()
-    upcast, precision = _dot_modes(x_XI.dtype)
-    kernel = _launcher(_grouped_mm_weight_grad_kernel, x_XI.device)
+    kernel, args, constexprs = weight_grad_launch(x_XI, dy_NO, counts_e, rows_N, dw_eIO)
 
     def grid(meta):
         return (triton.cdiv(I, meta["BLOCK_M"]) * triton.cdiv(O, meta["BLOCK_N"]), E)
 
-    kernel[grid](
-        x_XI, x_XI if rows_N is None else rows_N, dy_NO, dw_eIO, counts_e,
-        N, I, O, E,
-        *x_XI.stride(), *dy_NO.stride(), *dw_eIO.stride(),
-        GATHER=rows_N is not None, UPCAST=upcast, INPUT_PRECISION=precision,
-        E_POW2=triton.next_power_of_2(E),
-    )
+    _launcher(kernel, x_XI.device, x_XI.dtype)[grid](*args, **constexprs)
     return dw_eIO
 
 
@@ -264,6 +297,15 @@ def _expert_row_sums_kernel(dy_ptr, out_ptr, counts_ptr, N, O, E, stride_dyn, st
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+def row_sums_launch(dy_NO, counts_e, out_eO):
+    """(kernel, args, constexprs) of the launch that fills out_eO; `fmoe.kernels.aot` compiles the same."""
+    N, O = dy_NO.shape
+    E = counts_e.shape[0]
+    args = (dy_NO, out_eO, counts_e, N, O, E, *dy_NO.stride(), *out_eO.stride())
+    return _expert_row_sums_kernel, args, dict(E_POW2=triton.next_power_of_2(E), BLOCK_R=32,
+                                               BLOCK_O=min(triton.next_power_of_2(O), 256))
+
+
 def expert_row_sums(dy_NO, counts_e, dtype):
     """Per-expert sums of dy's rows (the bias gradient), in `dtype`; zero for an expert with no rows."""
     _check_kernel_device(dy_NO)
@@ -272,8 +314,6 @@ def expert_row_sums(dy_NO, counts_e, dtype):
     out_eO = dy_NO.new_empty(E, O, dtype=dtype)
     if N == 0 or O == 0:
         return out_eO.zero_()
-    block_o = min(triton.next_power_of_2(O), 256)
-    _expert_row_sums_kernel[(triton.cdiv(O, block_o), E)](
-        dy_NO, out_eO, counts_e, N, O, E, *dy_NO.stride(), *out_eO.stride(),
-        E_POW2=triton.next_power_of_2(E), BLOCK_R=32, BLOCK_O=block_o)
+    kernel, args, constexprs = row_sums_launch(dy_NO, counts_e, out_eO)
+    kernel[(triton.cdiv(O, constexprs["BLOCK_O"]), E)](*args, **constexprs)
     return out_eO

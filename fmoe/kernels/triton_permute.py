@@ -86,6 +86,14 @@ def _blocks(D: int):
     return max(4096 // block_d, 1), block_d
 
 
+def permute_launch(x_TD, token_N, out_ND):
+    """(kernel, args, constexprs) of the launch that fills out_ND; `fmoe.kernels.aot` compiles the same."""
+    N, D = out_ND.shape
+    block_r, block_d = _blocks(D)
+    return _permute_kernel, (x_TD, token_N, out_ND, N, D, *x_TD.stride(), *out_ND.stride()), \
+        dict(BLOCK_R=block_r, BLOCK_D=block_d)
+
+
 def permute_rows(x_TD, token_N):
     """x_TD's rows in the order of token_N."""
     _check_kernel_device(x_TD)
@@ -93,10 +101,19 @@ def permute_rows(x_TD, token_N):
     out_ND = x_TD.new_empty(N, D)
     if out_ND.numel() == 0:
         return out_ND
-    block_r, block_d = _blocks(D)
-    _permute_kernel[(triton.cdiv(N, block_r), triton.cdiv(D, block_d))](
-        x_TD, token_N, out_ND, N, D, *x_TD.stride(), *out_ND.stride(), BLOCK_R=block_r, BLOCK_D=block_d)
+    kernel, args, constexprs = permute_launch(x_TD, token_N, out_ND)
+    kernel[(triton.cdiv(N, constexprs["BLOCK_R"]), triton.cdiv(D, constexprs["BLOCK_D"]))](*args, **constexprs)
     return out_ND
+
+
+def gather_sum_launch(y_ND, row_of_slot_TK, weight_TK, out_TD):
+    """(kernel, args, constexprs) of the launch that fills out_TD (contiguous maps; weight_TK may be None)."""
+    T, K = row_of_slot_TK.shape
+    D = y_ND.shape[1]
+    block_r, block_d = _blocks(D)
+    weight_arg = row_of_slot_TK if weight_TK is None else weight_TK    # an unread stand-in
+    args = (y_ND, row_of_slot_TK, weight_arg, out_TD, T, K, D, *y_ND.stride(), *out_TD.stride())
+    return _gather_sum_kernel, args, dict(HAS_WEIGHT=weight_TK is not None, BLOCK_R=block_r, BLOCK_D=block_d)
 
 
 def gather_sum(y_ND, row_of_slot_TK, weight_TK=None):
@@ -109,14 +126,21 @@ def gather_sum(y_ND, row_of_slot_TK, weight_TK=None):
         return out_TD
     if y_ND.shape[0] == 0 or K == 0:
         return out_TD.zero_()
-    has_weight = weight_TK is not None
-    row_of_slot_TK = row_of_slot_TK.contiguous()
-    weight_TK = weight_TK.contiguous() if has_weight else row_of_slot_TK   # an unread stand-in
-    block_r, block_d = _blocks(D)
-    _gather_sum_kernel[(triton.cdiv(T, block_r), triton.cdiv(D, block_d))](
-        y_ND, row_of_slot_TK, weight_TK, out_TD, T, K, D, *y_ND.stride(), *out_TD.stride(),
-        HAS_WEIGHT=has_weight, BLOCK_R=block_r, BLOCK_D=block_d)
+    weight_TK = None if weight_TK is None else weight_TK.contiguous()
+    kernel, args, constexprs = gather_sum_launch(y_ND, row_of_slot_TK.contiguous(), weight_TK, out_TD)
+    kernel[(triton.cdiv(T, constexprs["BLOCK_R"]), triton.cdiv(D, constexprs["BLOCK_D"]))](*args, **constexprs)
     return out_TD
+
+
+def unpermute_backward_launch(grad_TD, y_ND, weight_TK, token_N, slot_N, grad_y, grad_w):
+    """(kernel, args, constexprs) of the launch that fills grad_y and grad_w (either may be None)."""
+    N, D = y_ND.shape
+    block_r, block_d = _blocks(D)
+    grad_y_arg = grad_TD if grad_y is None else grad_y      # unread stand-ins for a gradient not needed
+    args = (grad_TD, y_ND, weight_TK, token_N, slot_N, grad_y_arg, weight_TK if grad_w is None else grad_w,
+            N, D, *grad_TD.stride(), *y_ND.stride(), *grad_y_arg.stride())
+    return _unpermute_backward_kernel, args, dict(NEED_GRAD_Y=grad_y is not None, NEED_GRAD_W=grad_w is not None,
+                                                  BLOCK_R=block_r, BLOCK_D=block_d)
 
 
 def unpermute_backward(grad_TD, y_ND, weight_TK, token_N, slot_N, need_grad_y: bool, need_grad_w: bool):
@@ -127,11 +151,7 @@ def unpermute_backward(grad_TD, y_ND, weight_TK, token_N, slot_N, need_grad_y: b
     grad_w = torch.zeros_like(weight_TK, memory_format=torch.contiguous_format) if need_grad_w else None
     if N == 0 or not (need_grad_y or need_grad_w):
         return grad_y, grad_w
-    weight_TK = weight_TK.contiguous()
-    block_r, block_d = _blocks(D)
-    _unpermute_backward_kernel[(triton.cdiv(N, block_r),)](
-        grad_TD, y_ND, weight_TK, token_N, slot_N,
-        grad_y if need_grad_y else grad_TD, grad_w if need_grad_w else weight_TK,
-        N, D, *grad_TD.stride(), *y_ND.stride(), *(grad_y if need_grad_y else grad_TD).stride(),
-        NEED_GRAD_Y=need_grad_y, NEED_GRAD_W=need_grad_w, BLOCK_R=block_r, BLOCK_D=block_d)
+    kernel, args, constexprs = unpermute_backward_launch(grad_TD, y_ND, weight_TK.contiguous(), token_N, slot_N,
+                                                         grad_y, grad_w)
+    kernel[(triton.cdiv(N, constexprs["BLOCK_R"]),)](*args, **constexprs)
     return grad_y, grad_w

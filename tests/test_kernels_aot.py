@@ -1,0 +1,97 @@
+"""Every Triton kernel compiled for A100 (sm_80) and H100/H200 (sm_90) on this machine, no GPU needed.
+
+`python -m fmoe.kernels.aot` compiles each launch as the layer specialises it, every config its
+autotuner may pick, bf16, fp16 and fp32 (with and without TF32). It runs in a subprocess: the
+test suite makes triton.jit interpret (TRITON_INTERPRET=1), which cannot compile for a GPU. The
+results are cached by Triton's compile key, so only a changed kernel or config compiles again
+(the first run takes minutes).
+"""
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GEMMS = {"grouped_mm", "grouped_mm+bias", "gather_grouped_mm", "gather_grouped_mm+bias", "grouped_mm[w^T]",
+         "weight_grad", "weight_grad[gather]"}
+OTHERS = {"expert_row_sums", "permute", "gather_sum", "gather_sum[weighted]", "unpermute_backward"}
+
+
+def where(row):
+    return f"{row['target']} {row['dtype']} {row['kernel']} {row['config']}"
+
+
+@pytest.fixture(scope="module")
+def report_path(tmp_path_factory):
+    out = tmp_path_factory.mktemp("aot") / "kernels-aot.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-m", "fmoe.kernels.aot", "--out", str(out), "--jobs", "2"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert out.exists(), f"no report written (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows(report_path):
+    return json.loads(report_path.read_text())["rows"]
+
+
+def test_every_kernel_and_config_is_compiled_for_each_target_and_dtype(rows):
+    kernels = defaultdict(set)
+    for r in rows:
+        kernels[r["target"], r["dtype"]].add(r["kernel"])
+    assert set(kernels) == {(t, d) for t in ("sm_80", "sm_90") for d in ("bf16", "fp16", "fp32-tf32", "fp32-ieee")}
+    assert all(names == GEMMS | OTHERS for names in kernels.values()), kernels
+    failed = [f"{where(r)}: {r['error']}" for r in rows if not r["compiled"]]
+    assert not failed, "\n".join(failed)
+
+
+def test_shared_memory_within_the_targets_block_limit(rows):
+    over = [f"{where(r)}: {r['shared']} > {r['shared_limit']}" for r in rows if r["shared"] > r["shared_limit"]]
+    assert not over, "\n".join(over)
+    assert {r["shared_limit"] for r in rows if r["target"] == "sm_80"} == {163 * 1024}
+    assert {r["shared_limit"] for r in rows if r["target"] == "sm_90"} == {227 * 1024}
+
+
+def test_no_register_spills(rows):
+    spills = [f"{where(r)}: {r['spill_stores']} bytes stored, {r['spill_loads']} loaded ({r['registers']} registers)"
+              for r in rows if r["spill_stores"] or r["spill_loads"]]
+    assert not spills, "\n".join(spills)
+
+
+def test_gemms_use_the_tensor_cores(rows):
+    """wgmma on sm_90 and mma.sync on sm_80; fp32 without TF32 is exact, on the CUDA cores (fma)."""
+    wanted = {"sm_90": "wgmma", "sm_80": "mma.sync"}
+    for r in rows:
+        if r["kernel"] in GEMMS:
+            instruction = "fma" if r["dtype"] == "fp32-ieee" else wanted[r["target"]]
+            assert instruction in r["instructions"], f"{where(r)}: {r['instructions']}"
+            assert "cp.async" in r["instructions"], f"{where(r)}: operands not loaded asynchronously"
+
+
+def test_the_pinned_config_is_one_per_gemm_target_and_dtype(rows):
+    """FMOE_TRITON_AUTOTUNE=0 launches the first config alone: it is compiled (and passes the
+    checks above) for every dtype and target."""
+    pinned = defaultdict(list)
+    for r in rows:
+        if r["kernel"] in GEMMS and r["pinned"]:
+            pinned[r["target"], r["dtype"], r["kernel"]].append(r)
+    assert len(pinned) == 2 * 4 * len(GEMMS)
+    assert all(len(found) == 1 and found[0]["compiled"] for found in pinned.values())
+
+
+def test_fmoe_info_prints_the_report(report_path, capsys, tmp_path):
+    from fmoe import cli
+
+    assert cli.main(["info", "--aot", str(report_path)]) == 0
+    out = capsys.readouterr().out
+    assert "0 problems" in out and "sm_90 bf16" in out and "limit 227 KB" in out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["info", "--aot", str(tmp_path / "missing.json")])
+    assert exit_info.value.code == 2
+    assert "python -m fmoe.kernels.aot --out" in capsys.readouterr().err
