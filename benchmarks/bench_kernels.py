@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe  # noqa: E402
 from common import RESULTS, RoundRobinGate, machine  # noqa: E402
-from fmoe.kernels import torch_ops, triton_ops  # noqa: E402
+from fmoe import kernels  # noqa: E402
 from fmoe.kernels.triton_grouped_mm import _grouped_mm_kernel, _launcher, interpreting  # noqa: E402
 from fmoe.routing import RoutingPlan  # noqa: E402
 from fmoe.files import write_json  # noqa: E402
@@ -122,10 +122,10 @@ def bench_grouped_mm(shapes, dtype, device, bench):
         counts = split_counts(N, E, dist, device)
         dy = torch.randn(N, O, device=device, dtype=dtype, generator=gen)
         with torch.no_grad():
-            y = triton_ops.grouped_mm(x, w, counts)
+            y = kernels.grouped_mm(x, w, counts, backend="triton")
             ref = torch.cat([x_e @ w[e] for e, x_e in enumerate(torch.split(x, counts.tolist()))])
         fwd = run_all({
-            "triton": lambda: triton_ops.grouped_mm(x, w, counts),
+            "triton": lambda: kernels.grouped_mm(x, w, counts, backend="triton"),
             "torch_grouped_mm": lambda: torch._grouped_mm(x, w, offs=torch.cumsum(counts, 0, dtype=torch.int32)),
             "dense_cublas": lambda: x @ w[0],
             "expert_loop": lambda: [x_e @ w[e] for e, x_e in enumerate(torch.split(x, counts.tolist()))],
@@ -135,8 +135,8 @@ def bench_grouped_mm(shapes, dtype, device, bench):
         print_table(f"grouped_mm forward, {name}: N={N} {I}->{O}, E={E}, {dist} counts", fwd, "triton")
         xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
         fwd_bwd = run_all({
-            "triton": grads_fn(lambda: triton_ops.grouped_mm(xg, wg, counts), [xg, wg], dy),
-            "torch_path": grads_fn(lambda: torch_ops.grouped_mm(xg, wg, counts), [xg, wg], dy),
+            "triton": grads_fn(lambda: kernels.grouped_mm(xg, wg, counts, backend="triton"), [xg, wg], dy),
+            "torch_path": grads_fn(lambda: kernels.grouped_mm(xg, wg, counts, backend="torch"), [xg, wg], dy),
             "dense_cublas": grads_fn(lambda: xg @ wg[0], [xg, wg], dy),
         }, bench)
         add_rates(fwd_bwd, 3 * flops, "triton")
@@ -165,14 +165,14 @@ def bench_fused_gather(shapes, dtype, device, bench):
         args = (plan.token_N, w, plan.counts_E, plan.row_of_slot_TK)
 
         def materialized():
-            return triton_ops.grouped_mm(triton_ops.permute(x, plan), w, plan.counts_E)
+            return kernels.grouped_mm(kernels.permute(x, plan, backend="triton"), w, plan.counts_E, backend="triton")
 
         with torch.no_grad():
-            err = relative_error(triton_ops.gather_grouped_mm(x, *args), materialized())
+            err = relative_error(kernels.gather_grouped_mm(x, *args, backend="triton"), materialized())
         fns = {
-            "fused_gather": lambda: triton_ops.gather_grouped_mm(x, *args),
+            "fused_gather": lambda: kernels.gather_grouped_mm(x, *args, backend="triton"),
             "permute_then_gemm": materialized,
-            "torch_path": lambda: torch_ops.gather_grouped_mm(x, *args),
+            "torch_path": lambda: kernels.gather_grouped_mm(x, *args, backend="torch"),
         }
         with torch.no_grad():
             fwd = run_all(fns, bench)

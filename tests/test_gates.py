@@ -151,13 +151,13 @@ def test_bad_input_raises():
 
 def test_dropped_slot_never_reads_another_tokens_row():
     """A non-finite expert output for one token must not leak into a token whose slot was dropped."""
-    from fmoe.kernels import torch_ops
+    from fmoe import kernels
     from fmoe.routing import RoutingPlan
     idx = torch.tensor([[0, 1], [1, -1]])                  # token 1's second slot is dropped
     plan = RoutingPlan.build(idx, 2)
     assert plan.row_of_slot_TK[0, 0] == 0                  # row 0 is token 0's
-    y = torch.tensor([[float("inf")], [1.0], [2.0]])
-    out = torch_ops.unpermute(y, plan, torch.tensor([[0.5, 0.5], [1.0, 0.0]]))
+    y = torch.tensor([[float("inf")], [1.0], [2.0], [0.0]])      # the last row: the dropped slot's
+    out = kernels.unpermute(y, plan, torch.tensor([[0.5, 0.5], [1.0, 0.0]]), backend="torch")
     assert torch.isinf(out[0]).all()
     assert out[1].tolist() == [2.0]
 

@@ -4,6 +4,7 @@ On a machine without a GPU, tests/conftest.py has set TRITON_INTERPRET=1 before 
 imports triton, so the kernels run in Triton's interpreter on CPU tensors (tiny shapes: it is
 slow). On a GPU the same tests run compiled (benchmarks/gpu_check.sh runs them there).
 """
+import functools
 import json
 import os
 import subprocess
@@ -15,7 +16,6 @@ import torch
 
 import fmoe
 from fmoe import kernels
-from fmoe.kernels import torch_ops, triton_ops
 from fmoe.routing import RoutingPlan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,10 +30,20 @@ def leaves(*tensors):
     return [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
 
 
+class Backend:
+    """The seam's ops with `backend=` fixed: what `run_both` hands its function."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __getattr__(self, op):
+        return functools.partial(getattr(kernels, op), backend=self.name)
+
+
 def run_both(fn_of_ops, inputs, seed=0):
     """fn_of_ops(ops, *inputs) on each backend: (outputs, grads of the float inputs) per backend."""
     results = []
-    for ops in (triton_ops, torch_ops):
+    for ops in (Backend("triton"), Backend("torch")):
         args = leaves(*inputs)
         out = fn_of_ops(ops, *args)
         probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
@@ -161,9 +171,9 @@ def test_gather_grouped_mm_equals_permute_then_grouped_mm():
 def test_sums_are_deterministic():
     plan, weight_TK = make_plan(*PLANS["dropped_slots"])
     y = torch.randn(plan.num_rows, 20, device=DEVICE, requires_grad=True)
-    first = triton_ops.unpermute(y, plan, weight_TK)
+    first = kernels.unpermute(y, plan, weight_TK, backend="triton")
     (grad_first,) = torch.autograd.grad(first.sum(), y)
-    second = triton_ops.unpermute(y, plan, weight_TK)
+    second = kernels.unpermute(y, plan, weight_TK, backend="triton")
     (grad_second,) = torch.autograd.grad(second.sum(), y)
     assert torch.equal(first, second) and torch.equal(grad_first, grad_second)
 
@@ -172,11 +182,11 @@ def test_sums_are_deterministic():
 def test_no_host_sync():
     x, w, counts, b = (t.requires_grad_(t.is_floating_point()) for t in
                        expert_inputs([0, 1, 17, 0, 30], 64, 32, torch.bfloat16, bias=True))
-    triton_ops.grouped_mm(x, w, counts, b).sum().backward()    # autotuning synchronises; do it first
+    kernels.grouped_mm(x, w, counts, b, backend="triton").sum().backward()    # autotuning synchronises; do it first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        triton_ops.grouped_mm(x, w, counts, b).sum().backward()
+        kernels.grouped_mm(x, w, counts, b, backend="triton").sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -184,16 +194,16 @@ def test_no_host_sync():
 def test_bad_input_names_the_argument():
     x, w, counts = expert_inputs([2, 3], 8, 8, torch.float32)
     with pytest.raises(TypeError, match="w_eIO"):
-        triton_ops.grouped_mm(x, w.half(), counts)
+        kernels.grouped_mm(x, w.half(), counts, backend="triton")
     with pytest.raises(ValueError, match="counts_e"):
-        triton_ops.grouped_mm(x, w, counts[:1])
+        kernels.grouped_mm(x, w, counts[:1], backend="triton")
     with pytest.raises(ValueError, match="x_NI"):
-        triton_ops.grouped_mm(x[None], w, counts)
+        kernels.grouped_mm(x[None], w, counts, backend="triton")
     with pytest.raises(ValueError, match="bias_eO"):
-        triton_ops.grouped_mm(x, w, counts, torch.zeros(2, 3, device=DEVICE))
+        kernels.grouped_mm(x, w, counts, torch.zeros(2, 3, device=DEVICE), backend="triton")
     plan, weight_TK = make_plan(*PLANS["plain"])
     with pytest.raises(ValueError, match="weight_TK"):
-        triton_ops.unpermute(torch.zeros(plan.num_rows, 4, device=DEVICE), plan, weight_TK[:, :1])
+        kernels.unpermute(torch.zeros(plan.num_rows, 4, device=DEVICE), plan, weight_TK[:, :1], backend="triton")
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks the message for CPU tensors without the interpreter")
@@ -201,7 +211,7 @@ def test_cpu_tensors_without_interpreter_fail_clearly(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x, w, counts = expert_inputs([2, 3], 8, 8, torch.float32)
     with pytest.raises(ValueError, match="CUDA tensors"):
-        triton_ops.grouped_mm(x, w, counts)
+        kernels.grouped_mm(x, w, counts, backend="triton")
 
 
 def test_backend_report(monkeypatch):

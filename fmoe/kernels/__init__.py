@@ -8,6 +8,10 @@ its GEMMs would run on the CUDA cores while cuBLAS (the torch path) uses the ten
 (counts never read on the host) under torch.compile, on CUDA tensors, or with FMOE_SYNC_FREE=1;
 otherwise, on the CPU in eager mode, it loops over host counts where that is faster.
 Under torch.autocast the GEMMs run as nn.Linear's do there (`like_linear_under_autocast`).
+
+One hop from here to the work: each function checks its arguments (`fmoe.kernels.checks`, the
+one place for both backends), then calls its `fmoe::` op with the `impl` this tensor gets; the op
+runs its torch or Triton body.
 """
 import functools
 import os
@@ -17,7 +21,7 @@ import torch
 
 from fmoe.autocast import autocast_dtype
 from fmoe.env import env_choice
-from fmoe.kernels import ops, torch_ops
+from fmoe.kernels import checks, ops, torch_ops
 from fmoe.routing import RoutingPlan
 
 BACKENDS = ("torch", "triton")
@@ -112,8 +116,15 @@ def sync_free(tensor: torch.Tensor) -> bool:
     return os.environ.get("FMOE_SYNC_FREE", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _triton(tensor, backend) -> bool:
-    return resolve_backend(tensor, backend) == "triton"
+def impl_for(tensor: torch.Tensor, backend: Optional[str] = None) -> str:
+    """The `impl` the `fmoe::` ops take for this tensor and backend."""
+    if resolve_backend(tensor, backend) == "triton":
+        return "triton"
+    return "torch_sync_free" if sync_free(tensor) else "torch"
+
+
+def _family(impl: str) -> str:
+    return "triton" if impl == "triton" else "torch"
 
 
 def like_linear_under_autocast(gemm):
@@ -135,19 +146,19 @@ def like_linear_under_autocast(gemm):
 
 def permute(x_TD: torch.Tensor, plan: RoutingPlan, backend: Optional[str] = None) -> torch.Tensor:
     """Rows of `x_TD` in expert order: row n is token `plan.token_N[n]`."""
-    if _triton(x_TD, backend):
-        from fmoe.kernels import triton_ops
-        return triton_ops.permute(x_TD, plan)
-    return torch_ops.permute(x_TD, plan, sync_free(x_TD))
+    impl = impl_for(x_TD, backend)
+    checks.check_float("x_TD", x_TD, 2, _family(impl))
+    checks.check_plan(plan, x_TD.shape[0], x_TD.device)
+    return ops.permute(x_TD, plan.token_N, plan.row_of_slot_TK, impl)
 
 
 def unpermute(y_ND: torch.Tensor, plan: RoutingPlan, weight_TK: torch.Tensor,
               backend: Optional[str] = None) -> torch.Tensor:
     """out[t] = sum over k of weight[t, k] * y[row of slot (t, k)], dropped slots adding 0."""
-    if _triton(y_ND, backend):
-        from fmoe.kernels import triton_ops
-        return triton_ops.unpermute(y_ND, plan, weight_TK)
-    return torch_ops.unpermute(y_ND, plan, weight_TK, sync_free(y_ND))
+    impl = impl_for(y_ND, backend)
+    checks.check_rows("y_ND", y_ND, plan, _family(impl))
+    checks.check_routing_weight(weight_TK, plan, y_ND.device, _family(impl))
+    return ops.unpermute(y_ND, weight_TK, plan.token_N, plan.slot_N, plan.row_of_slot_TK, impl)
 
 
 @like_linear_under_autocast
@@ -157,10 +168,9 @@ def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
 
     Rows past the last segment (sum(counts_e) to the end: the rows of dropped slots) are zero.
     """
-    if _triton(x_NI, backend):
-        from fmoe.kernels import triton_ops
-        return triton_ops.grouped_mm(x_NI, w_eIO, counts_e, bias_eO)
-    return torch_ops.grouped_mm(x_NI, w_eIO, counts_e, bias_eO, sync_free(x_NI))
+    impl = impl_for(x_NI, backend)
+    checks.check_weights("x_NI", x_NI, w_eIO, counts_e, bias_eO, _family(impl))
+    return ops.grouped_mm(x_NI, w_eIO, counts_e, bias_eO, impl)
 
 
 @like_linear_under_autocast
@@ -172,10 +182,11 @@ def gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Te
     On Triton the GEMM reads x_TD's rows through token_N, so the permuted copy never exists; the
     backward sums each token's K row gradients in a fixed order, as permute's does.
     """
-    if _triton(x_TD, backend):
-        from fmoe.kernels import triton_ops
-        return triton_ops.gather_grouped_mm(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, bias_eO)
-    return torch_ops.gather_grouped_mm(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, bias_eO, sync_free(x_TD))
+    impl = impl_for(x_TD, backend)
+    checks.check_weights("x_TD", x_TD, w_eIO, counts_e, bias_eO, _family(impl))
+    checks.check_index("token_N", token_N, (None,), x_TD.device)
+    checks.check_index("row_of_slot_TK", row_of_slot_TK, (x_TD.shape[0], None), x_TD.device)
+    return ops.gather_grouped_mm(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, bias_eO, impl)
 
 
 def fused_expert_mlp_applies(x_ND: torch.Tensor, activation, backend: Optional[str] = None) -> bool:
@@ -190,14 +201,8 @@ def fused_expert_mlp_applies(x_ND: torch.Tensor, activation, backend: Optional[s
 def fused_expert_mlp(x_ND, counts_e, activation: str, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
     """act(x_seg @ w1[e] + b1[e]) @ w2[e] + b2[e], expert by expert (CPU, torch backend); `activation`
     is a spec string (`fmoe.experts.fused_activation_spec`)."""
-    return torch_ops.expert_mlp(x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)
-
-
-def _impl(tensor: torch.Tensor, backend: Optional[str]) -> str:
-    """The `impl` the `fmoe::` ops take for this tensor and backend."""
-    if _triton(tensor, backend):
-        return "triton"
-    return "torch_sync_free" if sync_free(tensor) else "torch"
+    checks.check_weights("x_ND", x_ND, w1_eDF, counts_e, b1_eF, "torch", "w1_eDF", "b1_eF")
+    return ops.expert_mlp(x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)
 
 
 @like_linear_under_autocast
@@ -213,10 +218,17 @@ def weighted_mlp(x_XD, counts_e, activation: str, w1_eDF, w2_eFD, b1_eF=None, b2
     """
     if (rows_N is None) != (row_of_slot_TK is None):
         raise ValueError("weighted_mlp: rows_N and row_of_slot_TK go together (pass both or neither)")
+    impl = impl_for(x_XD, backend)
+    checks.check_weights("x_XD", x_XD, w1_eDF, counts_e, b1_eF, _family(impl), "w1_eDF", "b1_eF")
+    if rows_N is not None:
+        checks.check_index("rows_N", rows_N, (None,), x_XD.device)
+        checks.check_index("row_of_slot_TK", row_of_slot_TK, (x_XD.shape[0], None), x_XD.device)
     return ops.weighted_mlp(x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, activation, w1_eDF, w2_eFD,
-                            b1_eF, b2_eD, keep_hidden, _impl(x_XD, backend))[0]
+                            b1_eF, b2_eD, keep_hidden, impl)[0]
 
 
 def sum_rows(y_ND: torch.Tensor, plan: RoutingPlan, backend: Optional[str] = None) -> torch.Tensor:
     """out[t] = the sum of token t's rows (already weighted), dropped slots adding nothing."""
-    return ops.sum_rows(y_ND, plan.token_N, plan.row_of_slot_TK, _impl(y_ND, backend))
+    impl = impl_for(y_ND, backend)
+    checks.check_rows("y_ND", y_ND, plan, _family(impl))
+    return ops.sum_rows(y_ND, plan.token_N, plan.row_of_slot_TK, impl)

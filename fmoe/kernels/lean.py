@@ -9,8 +9,8 @@ with dy_r @ w2_e^T computed for the activation's gradient anyway: no N x D outpu
 """
 import torch
 
-from fmoe.kernels.ops import run_impl
-from fmoe.kernels.torch_ops import _activation_vjp, expert_of_rows
+from fmoe.kernels.bodies import run_impl
+from fmoe.kernels.torch_ops import activation_vjp, expert_of_rows
 
 
 def hidden(impl, x_XD, rows_N, counts_e, w1_eDF, b1_eF):
@@ -20,7 +20,7 @@ def hidden(impl, x_XD, rows_N, counts_e, w1_eDF, b1_eF):
 
 def forward(impl, x_XD, rows_N, counts_e, weight_N, activation, w1_eDF, w2_eFD, b1_eF, b2_eD):
     h_NF = hidden(impl, x_XD, rows_N, counts_e, w1_eDF, b1_eF)
-    a_NF = _activation_vjp(h_NF, activation)[0]
+    a_NF = activation_vjp(h_NF, activation)[0]
     y_ND = run_impl(impl, "grouped_mm_rows", a_NF, w2_eFD, counts_e, None, b2_eD)
     if weight_N is not None:
         # Half-precision rows are weighted in fp32 and returned so: the per-token sum then rounds
@@ -34,7 +34,7 @@ def backward(impl, dy_ND, x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, acti
     """(dx, d weight_N or None, dw1, dw2, db1 or None, db2 or None); h recomputed when not given."""
     if h_NF is None:
         h_NF = hidden(impl, x_XD, rows_N, counts_e, w1_eDF, b1_eF)
-    a_NF, act_vjp = _activation_vjp(h_NF, activation)
+    a_NF, act_vjp = activation_vjp(h_NF, activation)
     # The gradient of the unweighted activation; rows past the segments come out zero.
     da_NF = run_impl(impl, "grouped_mm_rows", dy_ND.to(x_XD.dtype), w2_eFD.transpose(1, 2), counts_e, None, None)
     dweight_N = None

@@ -3,26 +3,17 @@
 Each op has a fake implementation (shapes only: what torch.compile traces) and a registered
 backward made of further `fmoe::` ops, so a compiled layer traces whole and its backward too.
 The last argument, `impl`, names the implementation: "torch" (CPU eager: loops over counts
-read on the host), "torch_sync_free" (counts stay on the device) or "triton". Bodies import
-their implementation lazily: they run eagerly even under compile, so nothing here is traced.
+read on the host), "torch_sync_free" (counts stay on the device) or "triton"; each op runs its
+body through `fmoe.kernels.bodies` (bodies run eagerly even under compile: nothing here is
+traced). Arguments are checked before, at the seam (`fmoe.kernels`).
 """
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-IMPLS = ("torch", "torch_sync_free", "triton")
-
-
-def run_impl(impl: str, name: str, *args):
-    """Call implementation `name` of `impl` (the torch ones take the sync-free switch)."""
-    if impl == "triton":
-        from fmoe.kernels import triton_ops
-        return getattr(triton_ops, name)(*args)
-    from fmoe.kernels import torch_ops
-    if name in ("grouped_mm_rows", "grouped_mm_weight_grad", "expert_row_sums", "gather_sum"):
-        return getattr(torch_ops, name)(*args, sync_free=impl == "torch_sync_free")
-    return getattr(torch_ops, name)(*args)
+from fmoe.kernels import lean, torch_ops
+from fmoe.kernels.bodies import IMPLS, run_impl  # noqa: F401  (IMPLS: the impl names, for callers)
 
 
 # permute: rows of x in expert order; backward sums each token's rows back.
@@ -92,12 +83,7 @@ unpermute.register_autograd(_unpermute_backward_grads, setup_context=_unpermute_
 def unpermute_backward(grad_TD: Tensor, y_ND: Tensor, weight_TK: Tensor, token_N: Tensor, slot_N: Tensor,
                        row_of_slot_TK: Tensor, impl: str) -> Tuple[Tensor, Tensor]:
     """(grad of y_ND, grad of weight_TK); a dropped slot's weight gets exactly 0."""
-    if impl == "triton":
-        from fmoe.kernels import triton_ops
-        grad_y, grad_w = triton_ops.unpermute_backward(grad_TD, y_ND, weight_TK, token_N, slot_N, True, True)
-    else:
-        from fmoe.kernels import torch_ops
-        grad_y, grad_w = torch_ops.unpermute_backward(grad_TD, y_ND, weight_TK, token_N, slot_N)
+    grad_y, grad_w = run_impl(impl, "unpermute_backward", grad_TD, y_ND, weight_TK, token_N, slot_N)
     return grad_y, torch.where(row_of_slot_TK >= 0, grad_w, 0)
 
 
@@ -201,7 +187,6 @@ def _(dy_NO, counts_e, dtype, impl):
 @torch.library.custom_op("fmoe::expert_mlp", mutates_args=())
 def expert_mlp_with_hidden(x_ND: Tensor, counts_e: Tensor, activation: str, w1_eDF: Tensor, w2_eFD: Tensor,
                            b1_eF: Optional[Tensor], b2_eD: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    from fmoe.kernels import torch_ops
     return torch_ops.expert_mlp_forward(x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)
 
 
@@ -238,7 +223,6 @@ expert_mlp_with_hidden.register_autograd(_expert_mlp_backward, setup_context=_ex
 @torch.library.custom_op("fmoe::expert_mlp_backward", mutates_args=())
 def expert_mlp_backward(dy_ND: Tensor, x_ND: Tensor, counts_e: Tensor, activation: str, w1_eDF: Tensor,
                         w2_eFD: Tensor, h_NF: Tensor, with_bias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    from fmoe.kernels import torch_ops
     return torch_ops.expert_mlp_backward(dy_ND, x_ND, counts_e, activation, w1_eDF, w2_eFD, h_NF, with_bias)
 
 
@@ -262,7 +246,6 @@ def expert_mlp(x_ND, counts_e, activation: str, w1_eDF, w2_eFD, b1_eF=None, b2_e
 def weighted_mlp(x_XD: Tensor, rows_N: Optional[Tensor], row_of_slot_TK: Optional[Tensor], counts_e: Tensor,
                  weight_N: Optional[Tensor], activation: str, w1_eDF: Tensor, w2_eFD: Tensor,
                  b1_eF: Optional[Tensor], b2_eD: Optional[Tensor], keep_hidden: bool, impl: str) -> Tuple[Tensor, Tensor]:
-    from fmoe.kernels import lean
     return lean.forward(impl, x_XD, rows_N, counts_e, weight_N, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)
 
 
@@ -303,7 +286,6 @@ def weighted_mlp_backward(dy_ND: Tensor, x_XD: Tensor, rows_N: Optional[Tensor],
                           w2_eFD: Tensor, b1_eF: Optional[Tensor], b2_eD: Optional[Tensor], h_NF: Optional[Tensor],
                           impl: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d weight_N, dw1, dw2, db1, db2); an absent weight or bias gets an empty tensor."""
-    from fmoe.kernels import lean
     grads = lean.backward(impl, dy_ND, x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, activation,
                           w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF)
     return tuple(dy_ND.new_empty(0) if g is None else g for g in grads)

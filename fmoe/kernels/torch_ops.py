@@ -1,7 +1,7 @@
 """Torch implementations of the data-movement and grouped-GEMM ops (the CPU path, for good).
 
 The functions here compute; `fmoe.kernels.ops` wraps them (and the Triton ones) as custom ops
-with autograd, and the wrappers at the end are the torch backend's public entry points. Every
+with autograd, looking them up through `fmoe.kernels.bodies`; nothing here imports the seam. Every
 sum is deterministic: each output row adds its own rows in a fixed order, never an atomic or an
 `index_add` of several rows onto one.
 
@@ -15,9 +15,6 @@ out as zeros.
 from typing import Optional
 
 import torch
-
-from fmoe.kernels import ops
-from fmoe.routing import RoutingPlan
 
 
 def permute_rows(x_TD, token_N):
@@ -200,12 +197,12 @@ def _plain_act_backward(grad, h, act):
     return grad * (h > 0)
 
 
-def _activation(h, spec):
+def apply_activation(h, spec):
     """The activation of one expert's hidden rows h (width F, or 2F when gated)."""
-    return _activation_vjp(h, spec)[0]
+    return activation_vjp(h, spec)[0]
 
 
-def _activation_vjp(h, spec):
+def activation_vjp(h, spec):
     """(activation of h, grad -> d activation / d h): the backward's recompute, sharing the
     forward's intermediates with the gradient; the same masks as torch's autograd."""
     kind, act, layout, alpha, limit = parse_activation(spec)
@@ -251,10 +248,10 @@ def expert_mlp_forward(x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)
         rows = slice(start, start + n)
         if b1_eF is None:
             torch.mm(x_ND[rows], w1_eDF[e], out=h_NF[rows])
-            torch.mm(_activation(h_NF[rows], activation), w2_eFD[e], out=y_ND[rows])
+            torch.mm(apply_activation(h_NF[rows], activation), w2_eFD[e], out=y_ND[rows])
         else:
             torch.addmm(b1_eF[e], x_ND[rows], w1_eDF[e], out=h_NF[rows])
-            torch.addmm(b2_eD[e], _activation(h_NF[rows], activation), w2_eFD[e], out=y_ND[rows])
+            torch.addmm(b2_eD[e], apply_activation(h_NF[rows], activation), w2_eFD[e], out=y_ND[rows])
         start += n
     h_NF[start:].zero_()
     y_ND[start:].zero_()
@@ -275,7 +272,7 @@ def expert_mlp_backward(dy_ND, x_ND, counts_e, activation, w1_eDF, w2_eFD, h_NF,
     for e, n in enumerate(counts_e.tolist()):
         rows = slice(start, start + n)
         h, dy = h_NF[rows], dy_ND[rows]
-        a, vjp = _activation_vjp(h, activation)
+        a, vjp = activation_vjp(h, activation)
         torch.mm(a.t(), dy, out=dw2[e])
         dh = vjp(dy @ w2_eFD[e].t())
         torch.mm(x_ND[rows].t(), dh, out=dw1[e])
@@ -286,33 +283,3 @@ def expert_mlp_backward(dy_ND, x_ND, counts_e, activation, w1_eDF, w2_eFD, h_NF,
         start += n
     dx_ND[start:].zero_()
     return dx_ND, dw1, dw2, db1, db2
-
-
-# The torch backend's entry points (fmoe.kernels picks between these and the Triton ones).
-
-def _impl(sync_free: bool) -> str:
-    return "torch_sync_free" if sync_free else "torch"
-
-
-def permute(x_TD: torch.Tensor, plan: RoutingPlan, sync_free: bool = False) -> torch.Tensor:
-    return ops.permute(x_TD, plan.token_N, plan.row_of_slot_TK, _impl(sync_free))
-
-
-def unpermute(y_ND: torch.Tensor, plan: RoutingPlan, weight_TK: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
-    return ops.unpermute(y_ND, weight_TK, plan.token_N, plan.slot_N, plan.row_of_slot_TK, _impl(sync_free))
-
-
-def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
-               bias_eO: Optional[torch.Tensor] = None, sync_free: bool = False) -> torch.Tensor:
-    return ops.grouped_mm(x_NI, w_eIO, counts_e, bias_eO, _impl(sync_free))
-
-
-def gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
-                      row_of_slot_TK: torch.Tensor, bias_eO: Optional[torch.Tensor] = None,
-                      sync_free: bool = False) -> torch.Tensor:
-    """grouped_mm of the rows x_TD[token_N]: here the permuted copy is made, Triton reads in place."""
-    return ops.gather_grouped_mm(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, bias_eO, _impl(sync_free))
-
-
-def expert_mlp(x_ND, counts_e, activation: str, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
-    return ops.expert_mlp(x_ND, counts_e, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)

@@ -143,7 +143,7 @@ def unpermute_backward_launch(grad_TD, y_ND, weight_TK, token_N, slot_N, grad_y,
                                                   BLOCK_R=block_r, BLOCK_D=block_d)
 
 
-def unpermute_backward(grad_TD, y_ND, weight_TK, token_N, slot_N, need_grad_y: bool, need_grad_w: bool):
+def unpermute_backward(grad_TD, y_ND, weight_TK, token_N, slot_N, need_grad_y: bool = True, need_grad_w: bool = True):
     """(grad of y_ND or None, grad of weight_TK or None) of the weighted gather-sum."""
     _check_kernel_device(grad_TD)
     N, D = y_ND.shape
