@@ -18,7 +18,7 @@ from fmoe.distributed.timeout import set_current_layer
 from fmoe.experts import GroupedExperts, ModuleListExperts, check_recompute
 from fmoe.fastmoe_state import rename_router, stack_experts
 from fmoe.gates import BaseGate, NaiveGate, make_gate
-from fmoe.gates.base import accepts_keyword, routing_from_fastmoe_gate
+from fmoe.gates.base import Routing, accepts_keyword, routing_from_fastmoe_gate
 from fmoe.routing import RoutingPlan
 from fmoe.stats import RoutingTally
 
@@ -214,10 +214,12 @@ class FMoE(nn.Module):
             self.layer_index = check_expert_parallel_config(self, x)
         set_current_layer(self.label)
 
-    def check_expert_output(self, y_ND):
-        if y_ND.dim() != 2 or y_ND.shape[-1] != self.d_model:
+    def checked(self, y_ND):
+        """The experts' output, refused unless it is rows of width d_model (a tree passes as it is)."""
+        if isinstance(y_ND, torch.Tensor) and (y_ND.dim() != 2 or y_ND.shape[-1] != self.d_model):
             raise ValueError(f"{self.label}: the experts ({type(self.experts).__name__}) must return rows of width "
                              f"d_model={self.d_model}, they returned shape {tuple(y_ND.shape)}")
+        return y_ND
 
     def mark_parallel_comm(self, expert_dp_comm="none"):
         """FastMoE's data-parallel tags: experts reduced over `expert_dp_comm`, the gate over "gate"."""
@@ -242,6 +244,36 @@ class FMoE(nn.Module):
         return leaves, spec, lead
 
     def forward(self, moe_inp):
+        """FastMoE's trees and token slicing wrap the main path: rows in, `moe_rows`, rows out."""
+        x, x_TD, restore = self.enter(moe_inp)
+        return restore(self.moe_rows(x, x_TD))
+
+    def moe_rows(self, x, x_TD):
+        """The diagram: gate -> plan -> permute -> (dispatch) -> experts -> (combine) -> unpermute.
+
+        `x` is the rows [T, D] (or FastMoE's tree of row tensors), `x_TD` its first tensor.
+        """
+        routing = self.route(x, x_TD)
+        plan = RoutingPlan.build(routing.expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
+                                 self.shadow_policy)
+        if self.runs_lean(x, plan):
+            y_TD = self.lean_experts(x_TD, plan, routing.weight_TK)
+        else:
+            x_ND = tree_map(lambda t: kernels.permute(t, plan, self.backend), x)
+            y_ND = self.checked(self.run_experts(x_ND, plan))
+            y_TD = tree_map(lambda t: kernels.unpermute(t, plan, routing.weight_TK, self.backend), y_ND)
+        if self.mask_dict is not None:
+            y_TD = tree_map(lambda t: self.add_masked(t, x_TD, routing.weight_TK), y_TD)
+        if self.shared_experts is not None:
+            y_TD = self.add_shared(y_TD, x_TD)
+        self.record(routing, plan)
+        return y_TD
+
+    def enter(self, moe_inp):
+        """Before the main path: the input checked, every tensor as rows [T, *] and, with a
+        slice_group, this rank's slice of them. Returns (x, x_TD, restore): the rows (a tree of
+        them for a tree input), the first tensor's rows, and `restore`, which undoes all of it for
+        the output (slices gathered, leading dims back)."""
         if self.experts is None:
             raise RuntimeError("FMoE was built without experts: pass expert= or d_hidden=, or assign self.experts")
         if isinstance(moe_inp, torch.Tensor):
@@ -249,45 +281,36 @@ class FMoE(nn.Module):
         leaves, spec, lead = self.leaves_of(moe_inp)
         if self.world_size > 1:
             self.check_with_peers(leaves[0])
-        x_TD = [t.reshape(-1, t.shape[-1]) for t in leaves]
+        rows = [t.reshape(-1, t.shape[-1]) for t in leaves]
         if self.slice_group is not None:
-            x_TD = [slice_rows(t, self.slice_group) for t in x_TD]
-        inp = x_TD[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_TD, spec)
+            rows = [slice_rows(t, self.slice_group) for t in rows]
         if hasattr(self.gate, "tokens_layout"):
             self.gate.tokens_layout = (tuple(lead), self.sequence_first)   # where its sequences are
-        routing = self.gate.routing(inp) if isinstance(self.gate, BaseGate) else routing_from_fastmoe_gate(self.gate, inp)
-        expert_dtype = autocast_dtype(x_TD[0]) or x_TD[0].dtype        # what the experts return
+
+        def restore(y):
+            out, out_spec = tree_flatten(y)
+            if self.slice_group is not None:
+                out = [gather_rows(t, self.slice_group) for t in out]
+            # Not a view of the rows: FSDP2 hooks the output.
+            return tree_unflatten([t if len(lead) == 1 else t.reshape(*lead, t.shape[-1]).clone() for t in out],
+                                  out_spec)
+        x = rows[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(rows, spec)
+        return x, rows[0], restore
+
+    def route(self, x, x_TD) -> Routing:
+        """The gate's routing (FastMoE's module gates and `gate_hook` too), its combine weights
+        rounded to the experts' dtype; FastMoE's masked tokens get no slot (index -1)."""
+        routing = self.gate.routing(x) if isinstance(self.gate, BaseGate) else routing_from_fastmoe_gate(self.gate, x)
+        expert_dtype = autocast_dtype(x_TD) or x_TD.dtype        # what the experts return
         if not self.fp32_combine and expert_dtype in (torch.float16, torch.bfloat16):
             rounded_TK = routing.weight_TK.to(expert_dtype).to(routing.weight_TK.dtype)
             routing = dataclasses.replace(routing, weight_TK=rounded_TK)
         if self.gate_hook is not None:
             self.gate_hook(routing.expert_idx_TK, routing.weight_TK, None)
-        expert_idx_TK = routing.expert_idx_TK
         if self.mask_dict is not None:
-            expert_idx_TK = expert_idx_TK.masked_fill(self.token_mask(x_TD[0])[:, None] != 0, -1)
-        plan = RoutingPlan.build(expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
-                                 self.shadow_policy)
-        if self.runs_lean(moe_inp, plan):
-            y_TD, out_spec = [self.lean_experts(x_TD[0], plan, routing.weight_TK)], None
-        else:
-            x_ND = [kernels.permute(t, plan, self.backend) for t in x_TD]
-            y_ND = self.run_experts(x_ND[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_ND, spec), plan)
-            if isinstance(y_ND, torch.Tensor):
-                self.check_expert_output(y_ND)
-            y_TD = [kernels.unpermute(t, plan, routing.weight_TK, self.backend) for t in tree_flatten(y_ND)[0]]
-            out_spec = tree_flatten(y_ND)[1]
-        if self.mask_dict is not None:
-            y_TD = [self.add_masked(t, x_TD[0], routing.weight_TK) for t in y_TD]
-        if self.shared_experts is not None:
-            if not isinstance(moe_inp, torch.Tensor):
-                raise ValueError("shared_expert needs a single input tensor, not a tree of them")
-            y_TD = [y_TD[0] + self.shared_forward(x_TD[0])]
-        if self.slice_group is not None:
-            y_TD = [gather_rows(t, self.slice_group) for t in y_TD]
-        self.record(routing, plan)
-        # Not a view of the rows: FSDP2 hooks the output.
-        out = [t if len(lead) == 1 else t.reshape(*lead, t.shape[-1]).clone() for t in y_TD]
-        return out[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(out, out_spec)
+            masked_TK = routing.expert_idx_TK.masked_fill(self.token_mask(x_TD)[:, None] != 0, -1)
+            routing = dataclasses.replace(routing, expert_idx_TK=masked_TK)
+        return routing
 
     def token_mask(self, x_TD):
         mask_T = self.mask.reshape(-1).to(x_TD.device)
@@ -307,6 +330,11 @@ class FMoE(nn.Module):
     def expert_fn(self, x_RD, fwd_expert_count):
         """The local experts on rows in expert order; `fwd_expert_count` rows for each."""
         return self.experts(x_RD, fwd_expert_count)
+
+    def add_shared(self, y_TD, x_TD):
+        if not isinstance(y_TD, torch.Tensor):
+            raise ValueError("shared_expert needs a single input tensor, not a tree of them")
+        return y_TD + self.shared_forward(x_TD)
 
     def shared_forward(self, x_TD):
         """The shared experts' term: their summed output, gated per token when there is a gate."""
@@ -345,9 +373,8 @@ class FMoE(nn.Module):
         if not isinstance(x_ND, torch.Tensor) or type(self).expert_fn is not FMoE.expert_fn:
             if self.schedule or self.shadow_policy is not None:
                 raise ValueError("shadow / schedule need a single input tensor and the default expert_fn")
-            return tree_map(lambda y: exchange.combine(y, plan),
-                            self.expert_fn(tree_map(lambda x: exchange.dispatch(x, plan), x_ND),
-                                           plan.local_counts_e))
+            y_RD = self.expert_fn(tree_map(lambda x: exchange.dispatch(x, plan), x_ND), plan.local_counts_e)
+            return tree_map(lambda y: exchange.combine(y, plan), y_RD)
         x_sent, x_home = x_ND.split([x_ND.shape[0] - plan.num_shadow_rows, plan.num_shadow_rows])
         # The pull starts first, so it travels while the other rows are dispatched and computed.
         pull = None if plan.shadow is None else ShadowPull(self.experts, plan.shadow, self.num_expert,
