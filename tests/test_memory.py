@@ -110,7 +110,10 @@ def test_modes_agree_with_shared_experts_and_keep_only_their_pre_activation(back
 
 @pytest.mark.parametrize("act", ["gelu", "relu", "swiglu", "geglu", "clamped_swiglu"])
 @pytest.mark.parametrize("keep_hidden", [True, False])
-def test_lean_mlp_gradcheck_float64(act, keep_hidden):
+@pytest.mark.parametrize("sync_free", [False, True], ids=["by_expert", "grouped"])
+def test_lean_mlp_gradcheck_float64(act, keep_hidden, sync_free, monkeypatch):
+    """Both torch bodies: one expert's segment at a time (host counts) and all rows at once."""
+    monkeypatch.setenv("FMOE_SYNC_FREE", "1" if sync_free else "0")
     torch.manual_seed(1)
     spec = fmoe.experts.fused_activation_spec(ACTIVATIONS[act])
     width1 = 2 * H if act in GATED else H
