@@ -85,9 +85,10 @@ def weight_gradient(dy_ND, da_NF, a_NF, bias_ND, dtype):
     """dL/dweight per row: <da, a> (+ <dy, the expert's output bias>), summed in dy's precision
     (fp32 or wider: the weighted rows were returned so)."""
     acc = dy_ND.dtype
-    dweight_N = (da_NF.to(acc) * a_NF.to(acc)).sum(-1)
+    dweight_N = torch.linalg.vecdot(da_NF.to(acc), a_NF.to(acc))     # no N x F product in memory
     if bias_ND is not None:
-        dweight_N += (dy_ND.to(acc) * bias_ND.to(acc)).sum(-1)
+        dweight_N += dy_ND.to(acc) @ bias_ND.to(acc) if bias_ND.dim() == 1 else \
+            torch.linalg.vecdot(dy_ND.to(acc), bias_ND.to(acc))
     return dweight_N.to(dtype)
 
 
