@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 
 from fmoe.kernels import ops
-from fmoe.kernels.triton_grouped_mm import expert_row_sums, grouped_mm_rows, grouped_mm_weight_grad  # noqa: F401
+from fmoe.kernels import triton_grouped_mm, triton_grouped_mm_tma
+from fmoe.kernels.triton_grouped_mm import expert_row_sums, grouped_mm_weight_grad  # noqa: F401
 from fmoe.kernels.triton_permute import gather_sum, permute_rows, unpermute_backward  # noqa: F401
 from fmoe.routing import RoutingPlan
 
@@ -63,6 +64,16 @@ def _check_grouped_mm(x_name: str, x: torch.Tensor, w_eIO: torch.Tensor, counts_
         if bias_eO.dtype != x.dtype or bias_eO.device != x.device:
             raise TypeError(f"bias_eO must be {x.dtype} on {x.device} like {x_name}, "
                             f"got {bias_eO.dtype} on {bias_eO.device}")
+
+
+def grouped_mm_rows(x_XI, w_eIO, counts_e, rows_N=None, bias_eO=None):
+    """y[r] = x[rows_N[r]] @ w[e] (+ bias_eO[e]): the TMA kernel under FMOE_TRITON_TMA=1 where it
+    applies (sm_90 and later, operands the copy engine takes), the plain kernel otherwise."""
+    if triton_grouped_mm_tma.tma_enabled():
+        triton_grouped_mm._check_kernel_device(x_XI)
+        if triton_grouped_mm_tma.tma_applies(x_XI, w_eIO, rows_N, bias_eO):
+            return triton_grouped_mm_tma.grouped_mm_rows_tma(x_XI, w_eIO, counts_e, rows_N, bias_eO)
+    return triton_grouped_mm.grouped_mm_rows(x_XI, w_eIO, counts_e, rows_N, bias_eO)
 
 
 def permute(x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
