@@ -32,28 +32,34 @@ def anchors(d, n, K):
 
 
 def fwd_bwd_seconds(module, x, reps):
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     best = float("inf")
     for _ in range(reps):
+        sync()
         start = time.perf_counter()
         module(x).sum().backward()
+        sync()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def measure(name, d, n, E, K, tokens, reps):
-    x = torch.randn(tokens, d, requires_grad=True)
-    floor = 4 * d + 4 * K * 2 * n + 4 * K + 8 * 4 * K      # fp32: x, pre-activation, scores, ints
+def measure(name, d, n, E, K, tokens, reps, device="cpu", dtype=torch.float32, backend=None):
+    """One shape's row: every recompute mode and a dense FFN, on `device` in `dtype` (peak from
+    torch.cuda.max_memory_allocated on a GPU, from the profiler's allocations on a CPU)."""
+    x = torch.randn(tokens, d, requires_grad=True, device=device, dtype=dtype)
+    size = x.element_size()
+    floor = size * d + size * K * 2 * n + 4 * K + 8 * 4 * K      # x, pre-activation, fp32 scores, ints
     row = {"shape": name, "d_model": d, "d_hidden": n, "experts": E, "top_k": K, "tokens": tokens,
            "floor_bytes_per_token": floor, "anchors_bf16_bytes_per_token": anchors(d, n, K), "modes": {}}
     for mode in MODES:
         torch.manual_seed(0)
         layer = fmoe.FMoETransformerMLP(num_expert=E, d_model=d, d_hidden=n, top_k=K, activation="swiglu",
-                                        recompute=mode)
+                                        recompute=mode, backend=backend).to(device, dtype)
         saved = saved_bytes(layer, x).nbytes / tokens
         peak = peak_bytes(lambda: layer(x).sum().backward(), x.device) / tokens
         row["modes"][mode] = {"saved_bytes_per_token": saved, "ratio_to_floor": saved / floor,
                               "peak_bytes_per_token": peak, "seconds": fwd_bwd_seconds(layer, x, reps)}
-    dense = nn.Sequential(nn.Linear(d, K * n), nn.GELU(), nn.Linear(K * n, d))     # equal FLOPs per token
+    dense = nn.Sequential(nn.Linear(d, K * n), nn.GELU(), nn.Linear(K * n, d)).to(device, dtype)  # equal FLOPs
     row["dense_ffn"] = {"saved_bytes_per_token": saved_bytes(dense, x).nbytes / tokens,
                         "seconds": fwd_bwd_seconds(dense, x, reps)}
     return row
