@@ -160,6 +160,8 @@ def bench_grouped_mm(shapes, dtype, device, bench):
         dy = torch.randn(N, O, device=device, dtype=dtype, generator=gen)
         with torch.no_grad():
             y = triton_ops.grouped_mm(x, w, counts)
+            with tma(True):
+                y_tma = triton_ops.grouped_mm(x, w, counts)
             ref = torch.cat([x_e @ w[e] for e, x_e in enumerate(torch.split(x, counts.tolist()))])
         fwd = run_all({
             "triton": lambda: triton_ops.grouped_mm(x, w, counts),
@@ -183,6 +185,7 @@ def bench_grouped_mm(shapes, dtype, device, bench):
         config = _launcher(_grouped_mm_kernel, x.device, x.dtype).best_config
         rows.append({"shape": name, "rows": N, "in": I, "out": O, "experts": E, "counts": dist,
                      "counts_e": counts.tolist(), "triton_config": str(config), **relative_error(y, ref),
+                     **{f"tma_{k}": v for k, v in relative_error(y_tma, ref).items()},
                      "results": fwd, "fwd_bwd": fwd_bwd})
     return rows
 
@@ -347,16 +350,19 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = json.loads(out.read_text()) if args.merge and out.exists() else {}
     payload.update({"machine": machine(), "device": device, "dtype": str(dtype).replace("torch.", ""),
-                    "quick": args.quick, "triton_interpret": interpreting()})
+                    "quick": args.quick, "triton_interpret": interpreting(),
+                    "triton_autotune": os.environ.get("FMOE_TRITON_AUTOTUNE", "1") != "0"})
     sections = (("grouped_mm", bench_grouped_mm, QUICK_GEMM, GEMM_SHAPES),
                 ("fused_gather", bench_fused_gather, QUICK_GATHER, GATHER_SHAPES),
                 ("layer", bench_layer, QUICK_LAYER, LAYER_SHAPES))
     wanted = args.sections.split(",")
     for key, run, quick_shapes, shapes in sorted((s for s in sections if s[0] in wanted),
                                                  key=lambda s: wanted.index(s[0])):
-        payload[key] = run(quick_shapes if args.quick else shapes, dtype, device, bench)
-        payload["summary"] = summarize(payload)
-        write_json(out, payload, indent=2)    # after each section: a timeout keeps what ran
+        payload[key] = []
+        for shape in quick_shapes if args.quick else shapes:
+            payload[key] += run([shape], dtype, device, bench)
+            payload["summary"] = summarize(payload)
+            write_json(out, payload, indent=2)    # after each shape: a timeout keeps what ran
     print(f"\nwrote {out}")
 
 

@@ -31,8 +31,10 @@ def test_dry_run_writes_every_section_and_the_summary(tmp_path):
     summary = doc["summary"]
     assert SUMMARY_KEYS | {f"{k}_tma" for k in SUMMARY_KEYS} <= set(summary)
     assert summary["quick"] is True and summary["missing"] == [] and summary["steps_failed"] == []
-    for row in doc["layer"]:      # the layer agreed with the torch backend, with the Hopper kernel too
-        assert row["max_rel_err"] < 2e-2 and row["tma_max_rel_err"] < 2e-2
+    # the layer agreed with the torch backend and the GEMMs with a per-expert matmul, Hopper kernel too
+    for row in doc["layer"] + doc["grouped_mm"] + doc["checks"]["tma"]["grouped_mm"]:
+        assert row["max_rel_err"] < 2e-2 and row["tma_max_rel_err"] < 2e-2, row["shape"]
+    assert doc["triton_autotune"] is False     # gpu_check.sh pins each kernel's config
 
 
 def test_a_failed_step_is_recorded_and_the_rest_still_summed(tmp_path):
