@@ -68,7 +68,7 @@ def test_rows_past_the_segments_stay_zero_and_neighbours_intact(tma_calls):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("recompute", ["activation", "none"])
+@pytest.mark.parametrize("recompute", ["activation", "experts", "none"])
 def test_lean_layer_with_tma_equals_torch(dtype, recompute, tma_calls):
     """FMoETransformerMLP, SwiGLU, capacity drops: its GEMMs that read rows (the gathered first GEMM,
     the second, the input gradients) take the TMA kernel; the weight gradients the plain one."""
