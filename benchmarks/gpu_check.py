@@ -7,7 +7,7 @@
     python benchmarks/gpu_check.py aot_vs_real --out PATH [--quick]    # registers / spills loaded vs the AOT report
     python benchmarks/gpu_check.py tma --out PATH [--quick]            # FMOE_TRITON_TMA=1 against the default
     python benchmarks/gpu_check.py failed --out PATH --step S --rc N --log FILE   # a step that did not finish
-    python benchmarks/gpu_check.py summary --out PATH                  # the headline figures, from what ran
+    python benchmarks/gpu_check.py summary --out PATH                  # the headline figures (exit 1: a step failed)
 
 Sections land under "checks" (the kernel benchmark, benchmarks/bench_kernels.py --merge, adds its
 own sections and "summary" beside them). A step that fails records {"error": ...} in its section and
@@ -205,6 +205,7 @@ def main(argv=None) -> int:
                                                 if "error" in v)
         write_json(args.out, doc, indent=2)
         print(json.dumps(doc["summary"], indent=1))
+        return 1 if doc["summary"]["steps_failed"] else 0
     else:
         start = time.perf_counter()
         try:

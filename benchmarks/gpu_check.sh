@@ -16,7 +16,7 @@
 # The kernels run their pinned config (FMOE_TRITON_AUTOTUNE=0): autotuning every shape of the
 # benchmark would spend the budget compiling. GPU_CHECK_AUTOTUNE=1 tunes the benchmark's kernels.
 #
-#     bash benchmarks/gpu_check.sh             # on a CUDA GPU
+#     bash benchmarks/gpu_check.sh             # on a CUDA GPU (GPU_CHECK_OUT=PATH: the JSON elsewhere)
 #     bash benchmarks/gpu_check.sh --dry-run OUT.json   # no GPU: the CPU-runnable steps at tiny shapes
 set -u
 cd "$(dirname "$0")/.."
@@ -32,7 +32,7 @@ if [ "${1:-}" = "--dry-run" ]; then
 else
     unset TRITON_INTERPRET FMOE_BACKEND FMOE_TRITON_TMA
     $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: no CUDA GPU here')" || exit 2
-    out=$($PY benchmarks/gpu_check.py path)
+    out=${GPU_CHECK_OUT:-$($PY benchmarks/gpu_check.py path)}
 fi
 logs="${out%.json}-logs"
 mkdir -p "$logs"
@@ -65,10 +65,12 @@ if [ ${#quick[@]} = 0 ]; then
         tests/test_gpu_sync.py -q -rfE -p no:cacheprovider --junitxml="$logs/tests.xml"
     $PY benchmarks/gpu_check.py tests --out "$out" --junit "$logs/tests.xml" --rc "$last_rc"
 fi
-FMOE_TRITON_AUTOTUNE=0 step memory 30 $PY benchmarks/gpu_check.py memory --out "$out" "${quick[@]}"
-step aot_vs_real 25 $PY benchmarks/gpu_check.py aot_vs_real --out "$out" "${quick[@]}"
+FMOE_TRITON_AUTOTUNE=0 step memory 30 $PY benchmarks/gpu_check.py memory --out "$out" ${quick[@]+"${quick[@]}"}
+step aot_vs_real 25 $PY benchmarks/gpu_check.py aot_vs_real --out "$out" ${quick[@]+"${quick[@]}"}
 autotune=${GPU_CHECK_AUTOTUNE:-0}
-FMOE_TRITON_AUTOTUNE=$autotune step tma 40 $PY benchmarks/gpu_check.py tma --out "$out" "${quick[@]}"
-FMOE_TRITON_AUTOTUNE=$autotune step bench 200 $PY benchmarks/bench_kernels.py --merge --out "$out" --sections layer,grouped_mm,fused_gather "${quick[@]}"
+FMOE_TRITON_AUTOTUNE=$autotune step tma 40 $PY benchmarks/gpu_check.py tma --out "$out" ${quick[@]+"${quick[@]}"}
+FMOE_TRITON_AUTOTUNE=$autotune step bench 200 $PY benchmarks/bench_kernels.py --merge --out "$out" --sections layer,grouped_mm,fused_gather ${quick[@]+"${quick[@]}"}
 $PY benchmarks/gpu_check.py summary --out "$out"
+summary_rc=$?
 echo "gpu_check: $((SECONDS - start)) s; results in $out, logs in $logs/"
+exit $summary_rc     # 1 when a step failed (summary.steps_failed)

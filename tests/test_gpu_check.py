@@ -50,7 +50,7 @@ def test_a_failed_step_is_recorded_and_the_rest_still_summed(tmp_path):
                      '<testcase classname="tests.t" name="a"/><testcase classname="tests.t" name="b">'
                      '<failure message="wrong"/></testcase></testsuite></testsuites>')
     gpu_check.main(["tests", "--out", str(out), "--junit", str(junit), "--rc", "1"])
-    gpu_check.main(["summary", "--out", str(out)])
+    assert gpu_check.main(["summary", "--out", str(out)]) == 1
     doc = json.loads(out.read_text())
     assert doc["checks"]["memory"]["error"] == "timed out" and "out of memory" in doc["checks"]["memory"]["log_tail"]
     tests = doc["checks"]["tests"]
