@@ -97,6 +97,15 @@ def test_off_by_default(monkeypatch):
         triton_grouped_mm_tma.tma_enabled()
 
 
+def test_fmoe_info_says_whether_it_is_on(monkeypatch):
+    from fmoe import kernels
+
+    monkeypatch.delenv("FMOE_TRITON_TMA", raising=False)
+    assert kernels.backend_report()["triton_tma"].startswith("off")
+    monkeypatch.setenv("FMOE_TRITON_TMA", "1")
+    assert kernels.backend_report()["triton_tma"].startswith("on")
+
+
 def test_gpus_before_hopper_keep_the_plain_kernel(monkeypatch):
     """On CUDA tensors the path needs sm_90 or later (TMA, wgmma) and a tensor-core dot."""
     takes = triton_grouped_mm_tma.gpu_takes_tma
