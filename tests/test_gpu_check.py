@@ -59,6 +59,20 @@ def test_a_failed_step_is_recorded_and_the_rest_still_summed(tmp_path):
     assert SUMMARY_KEYS <= set(doc["summary"]["missing"])
 
 
+def test_summary_takes_the_tma_steps_gemm_when_the_benchmark_did_not_get_there():
+    import bench_kernels
+
+    def gemm(shape, triton, torch_grouped_mm):
+        return {"shape": shape, "results": {"triton": {"tflops": triton}, "triton_tma": {"tflops": 2 * triton},
+                                            "torch_grouped_mm": {"tflops": torch_grouped_mm}}}
+
+    payload = {"checks": {"tma": {"grouped_mm": [gemm("qwen3_30b_a3b", 300.0, 400.0)]}}}
+    summary = bench_kernels.summarize(payload)
+    assert summary["vs_torch_grouped_mm_min"] == 0.75 and summary["vs_torch_grouped_mm_min_tma"] == 1.5
+    payload["grouped_mm"] = [gemm("qwen3_30b_a3b", 200.0, 400.0), gemm("mixtral_8x7b", 300.0, 300.0)]
+    assert bench_kernels.summarize(payload)["vs_torch_grouped_mm_min"] == 0.5    # the benchmark's own row wins
+
+
 def test_aot_rows_compare_register_for_register():
     import gpu_check
 
