@@ -97,7 +97,7 @@ def memory(quick: bool) -> dict:
             "peak_from": "torch.cuda.max_memory_allocated" if device == "cuda" else "profiler", **row}
 
 
-def real_resources(deadline: float, dtype=torch.bfloat16, shape=None) -> list:
+def real_resources(deadline: float, dtype=torch.bfloat16, shape=None, device: str = "cuda") -> list:
     """For each launch of the AOT report (bf16, its pinned config), the kernel compiled by the Triton here
     and loaded on this GPU: registers, spill bytes and shared memory as the driver reports them. Stops
     at time.perf_counter() `deadline`, the rows so far returned."""
@@ -107,7 +107,7 @@ def real_resources(deadline: float, dtype=torch.bfloat16, shape=None) -> list:
     generation = gmm.generation_of(major)
     rows = []
     for name, kernel, args, constexprs, family in aot.launches(dtype, shape or aot.SHAPE, target=10 * major + minor,
-                                                               device="cuda"):
+                                                               device=device):
         configs = {"gemm": lambda: gmm.gpu_configs(generation, gmm.dot_mode(dtype), autotune=False),
                    "tma": lambda: tma.tma_configs(gmm.dot_mode(dtype), autotune=False), None: lambda: [None]}[family]()
         if time.perf_counter() > deadline:

@@ -6,7 +6,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -82,3 +86,32 @@ def test_aot_rows_compare_register_for_register():
                                        {"kernel": "other", "registers": 1, "spills": 0, "shared": 0}], aot, "sm_90")
     assert rows[0]["same_registers"] is False and rows[0]["same_shared"] and rows[0]["no_spills_either"]
     assert rows[1]["aot"] is None
+
+
+def test_the_real_load_walks_every_launch_with_its_pinned_config(monkeypatch):
+    """real_resources' plumbing with the GPU faked: each launch of the AOT report for sm_90 is warmed up
+    once with the config FMOE_TRITON_AUTOTUNE=0 pins, and its resources read off the loaded kernel."""
+    import gpu_check
+    from fmoe.kernels import aot
+
+    class Loaded:
+        n_regs, n_spills, metadata = 128, 0, SimpleNamespace(shared=4096)
+
+        def _init_handles(self):
+            pass
+
+    warmed = []
+
+    def warmup(self, *args, grid, **kwargs):
+        warmed.append(kwargs)
+        return Loaded()
+
+    names = [name for name, *_ in aot.launches(torch.bfloat16, target=90)]
+    for kernel_type in {type(kernel) for _, kernel, *_ in aot.launches(torch.bfloat16, target=90)}:
+        monkeypatch.setattr(kernel_type, "warmup", warmup, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    rows = gpu_check.real_resources(time.perf_counter() + 600, device="meta")
+    assert [r["kernel"] for r in rows] == names and any(n.startswith("tma_") for n in names)
+    tiles = {(w.get("BLOCK_M"), w.get("BLOCK_N"), w.get("num_warps")) for w in warmed if "BLOCK_M" in w}
+    assert tiles == {(128, 256, 8)}     # the pinned Hopper tile of both GEMM kernels
+    assert gpu_check.real_resources(time.perf_counter() - 1, device="meta") == []   # past the deadline
