@@ -159,9 +159,9 @@ def tma_applies(x_XI, w_eIO, rows_N, bias_eO) -> bool:
     w_view = w_eIO if w_eIO.stride(2) == 1 else w_eIO.transpose(1, 2)
     x_ok = x_XI.stride(1) == 1 and (rows_N is not None or _tma_ok(x_XI))
     bias_ok = bias_eO is None or bias_eO.stride(1) == 1
-    # int32 offsets: a descriptor's coordinates are 32-bit.
     y_ok = w_eIO.shape[2] * x_XI.element_size() % 16 == 0
     N = x_XI.shape[0] if rows_N is None else rows_N.shape[0]
+    # A descriptor's coordinates are 32-bit.
     return x_ok and bias_ok and y_ok and _tma_ok(w_view) and max(x_XI.shape[0], N) < 2 ** 31
 
 
