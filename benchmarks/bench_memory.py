@@ -47,10 +47,10 @@ def anchors(d, n, K):
             "torchtitan": 2 * d + 6 * K * d + 8 * K * n}
 
 
-def floor_bytes(d, n, K):
-    """fmoe's floor in fp32: x, the SwiGLU pre-activation (2n per slot), scores (K floats), the
-    routing integers (K int64 of expert index, four int64 index arrays of K entries)."""
-    return 4 * d + 4 * K * 2 * n + 4 * K + 8 * 4 * K
+def floor_bytes(d, n, K, size=4):
+    """fmoe's floor with `size`-byte activations: x, the SwiGLU pre-activation (2n per slot), fp32
+    scores (K), the routing integers (K int64 of expert index, four int64 index arrays of K entries)."""
+    return size * d + size * K * 2 * n + 4 * K + 8 * 4 * K
 
 
 class SwiGLU(nn.Module):
@@ -102,10 +102,11 @@ def deepspeed_moe(d, n, E, K):
                            use_rts=False))
 
 
-def competitors(d, n, E, K, skip):
+def competitors(d, n, E, K, skip, backend=None):
     """{name: a builder of the module}, each a [tokens, d] -> [tokens, d] layer of SwiGLU experts."""
     builders = {f"fmoe_{mode}": (lambda mode=mode: fmoe.FMoETransformerMLP(
-        num_expert=E, d_model=d, d_hidden=n, top_k=K, activation="swiglu", recompute=mode)) for mode in MODES}
+        num_expert=E, d_model=d, d_hidden=n, top_k=K, activation="swiglu", recompute=mode, backend=backend))
+        for mode in MODES}
     builders["hf_eager"] = lambda: hf_block(d, n, E, K, "eager")
     builders["hf_grouped_mm"] = lambda: hf_block(d, n, E, K, "grouped_mm")
     builders["deepspeed_moe"] = lambda: deepspeed_moe(d, n, E, K)
@@ -114,16 +115,18 @@ def competitors(d, n, E, K, skip):
     return {name: build for name, build in builders.items() if name not in skip}
 
 
-def measure(name, d, n, E, K, tokens, reps, skip):
-    x = torch.randn(1, tokens, d)       # [batch, seq, d]: the HF block wants three dims
-    floor = floor_bytes(d, n, K)
+def measure(name, d, n, E, K, tokens, reps, skip=(), device="cpu", dtype=torch.float32, backend=None):
+    """One shape's row, on `device` in `dtype` (the peak from torch.cuda.max_memory_allocated on a
+    GPU, from the profiler's allocations on a CPU); `row["modes"]` is fmoe's layers by recompute mode."""
+    x = torch.randn(1, tokens, d, device=device, dtype=dtype)     # [batch, seq, d]: the HF block wants three dims
+    floor = floor_bytes(d, n, K, x.element_size())
     row = {"shape": name, "d_model": d, "d_hidden": n, "experts": E, "top_k": K, "tokens": tokens,
            "floor_bytes_per_token": floor, "anchors_bf16_bytes_per_token": anchors(d, n, K), "layers": {}}
     steps = {}
-    for label, build in competitors(d, n, E, K, skip).items():
+    for label, build in competitors(d, n, E, K, skip, backend).items():
         torch.manual_seed(0)
         try:
-            module = build()
+            module = build().to(device, dtype)
         except ImportError as err:
             row["layers"][label] = {"error": f"not installed: {err}"}
             continue
@@ -151,6 +154,7 @@ def measure(name, d, n, E, K, tokens, reps, skip):
         "speed_of_default_vs": {k: v["seconds"] / default["seconds"]
                                 for k, v in row["layers"].items() if "seconds" in v},
     }
+    row["modes"] = {mode: row["layers"][f"fmoe_{mode}"] for mode in MODES if f"fmoe_{mode}" in row["layers"]}
     return row
 
 

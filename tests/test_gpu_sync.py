@@ -89,3 +89,13 @@ def test_compiled_fullgraph_equals_eager_on_the_gpu():
     torch.testing.assert_close(dx_c, dx_e, atol=1e-4, rtol=1e-4)
     for a, b in zip(g_c, g_e):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="the Hopper kernel (FMOE_TRITON_TMA=1) needs sm_90")
+def test_hopper_kernel_never_syncs_and_replays_in_a_graph(monkeypatch):
+    """The descriptors' scratch comes from torch's allocator at every launch: inside a captured
+    graph too (its private pool), and with no host sync."""
+    monkeypatch.setenv("FMOE_TRITON_TMA", "1")
+    test_forward_backward_never_syncs(*CASES[1])
+    test_cuda_graph_capture_and_replay_equals_eager(*CASES[1])

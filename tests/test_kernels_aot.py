@@ -4,7 +4,8 @@
 autotuner may pick, bf16, fp16 and fp32 (with and without TF32). It runs in a subprocess: the
 test suite makes triton.jit interpret (TRITON_INTERPRET=1), which cannot compile for a GPU. The
 results are cached by Triton's compile key, so only a changed kernel or config compiles again
-(the first run takes minutes).
+(the first run takes minutes). The Hopper kernel (FMOE_TRITON_TMA=1) is compiled for sm_90 where its
+dot has tensor cores, and its SASS is read with the cuobjdump in Triton's wheel.
 """
 import json
 import os
@@ -19,6 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GEMMS = {"grouped_mm", "grouped_mm+bias", "gather_grouped_mm", "gather_grouped_mm+bias", "grouped_mm[w^T]",
          "weight_grad", "weight_grad[gather]"}
 OTHERS = {"expert_row_sums", "permute", "gather_sum", "gather_sum[weighted]", "unpermute_backward"}
+HOPPER = {"tma_grouped_mm", "tma_grouped_mm+bias", "tma_gather_grouped_mm", "tma_gather_grouped_mm+bias",
+          "tma_grouped_mm[w^T]"}
 
 
 def where(row):
@@ -37,8 +40,13 @@ def report_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rows(report_path):
-    return json.loads(report_path.read_text())["rows"]
+def doc(report_path):
+    return json.loads(report_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def rows(doc):
+    return doc["rows"]
 
 
 def test_every_kernel_and_config_is_compiled_for_each_target_and_dtype(rows):
@@ -46,7 +54,9 @@ def test_every_kernel_and_config_is_compiled_for_each_target_and_dtype(rows):
     for r in rows:
         kernels[r["target"], r["dtype"]].add(r["kernel"])
     assert set(kernels) == {(t, d) for t in ("sm_80", "sm_90") for d in ("bf16", "fp16", "fp32-tf32", "fp32-ieee")}
-    assert all(names == GEMMS | OTHERS for names in kernels.values()), kernels
+    hopper = {("sm_90", d) for d in ("bf16", "fp16", "fp32-tf32")}
+    for key, names in kernels.items():
+        assert names == GEMMS | OTHERS | (HOPPER if key in hopper else set()), key
     failed = [f"{where(r)}: {r['error']}" for r in rows if not r["compiled"]]
     assert not failed, "\n".join(failed)
 
@@ -79,10 +89,31 @@ def test_the_pinned_config_is_one_per_gemm_target_and_dtype(rows):
     checks above) for every dtype and target."""
     pinned = defaultdict(list)
     for r in rows:
-        if r["kernel"] in GEMMS and r["pinned"]:
+        if r["kernel"] in GEMMS | HOPPER and r["pinned"]:
             pinned[r["target"], r["dtype"], r["kernel"]].append(r)
-    assert len(pinned) == 2 * 4 * len(GEMMS)
+    assert len(pinned) == 2 * 4 * len(GEMMS) + 3 * len(HOPPER)
     assert all(len(found) == 1 and found[0]["compiled"] for found in pinned.values())
+
+
+def test_hopper_kernel_moves_tiles_with_the_copy_engine_and_multiplies_with_wgmma(doc, rows):
+    """cp.async.bulk.tensor and wgmma in the PTX; in the SASS (the wheel's cuobjdump) the copy engine's
+    loads and stores (UTMALDG, UTMASTG) and HGMMA, no spills; gathered rows come by cp.async (LDGSTS)."""
+    hopper = [r for r in rows if r["kernel"] in HOPPER]
+    assert hopper and {r["target"] for r in hopper} == {"sm_90"}
+    for r in hopper:
+        assert {"cp.async.bulk.tensor", "wgmma"} <= set(r["instructions"]), where(r)
+        assert r["global_scratch"] > 0, f"{where(r)}: descriptors made on the device need global scratch"
+        if not doc["cuobjdump"]:
+            pytest.skip("this Triton wheel ships no cuobjdump: checked on the PTX only")
+        assert {"UTMALDG", "UTMASTG", "HGMMA"} <= set(r["sass"]), f"{where(r)}: {r['sass']}"
+        assert not {"LDL", "STL"} & set(r["sass"]), f"{where(r)}: local memory"
+        assert ("LDGSTS" in r["sass"]) == ("gather" in r["kernel"]), f"{where(r)}: {r['sass']}"
+
+
+def test_why_gathered_rows_are_not_loaded_by_descriptor(doc):
+    """Triton 3.9 lowers a descriptor gather to TMA's tile::gather4, which ptxas takes on sm_100 only."""
+    assert "requires .target sm_100" in doc["descriptor_gather"]["sm_90"]
+    assert doc["descriptor_gather"]["sm_100"] == "compiles, tile::gather4"
 
 
 def test_fmoe_info_prints_the_report(report_path, capsys, tmp_path):

@@ -145,11 +145,16 @@ def test_unpermute_fp32_weights_on_16bit_rows():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ["plain", "dropped_slots", "no_tokens"])
 def test_gather_grouped_mm(case, dtype):
+    assert_gather_grouped_mm_agrees(case, dtype, width=24)
+
+
+def assert_gather_grouped_mm_agrees(case, dtype, width):
+    """gather_grouped_mm on plan PLANS[case], x `width` wide, Triton against torch."""
     plan, _ = make_plan(*PLANS[case])
     g = torch.Generator().manual_seed(0)
     E = plan.counts_E.numel()
-    x = torch.randn(plan.num_tokens, 24, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(E, 24, 16, generator=g) / 24 ** 0.5).to(DEVICE, dtype)
+    x = torch.randn(plan.num_tokens, width, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(E, width, 16, generator=g) / width ** 0.5).to(DEVICE, dtype)
     b = torch.randn(E, 16, generator=g).to(DEVICE, dtype)
 
     def fn(ops, x_, w_, b_):
@@ -244,9 +249,14 @@ def test_cuda_tensors_get_triton_from_sm80_on(monkeypatch, capability, backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_layer_triton_equals_torch(dtype):
     """FMoETransformerMLP end to end, with capacity drops, on the same weights and input."""
+    assert_layer_backends_agree(dtype)
+
+
+def assert_layer_backends_agree(dtype, **kw):
+    """A SwiGLU FMoETransformerMLP with capacity drops, Triton against torch: output and every gradient."""
     torch.manual_seed(0)
     kwargs = dict(num_expert=4, d_model=16, d_hidden=16, top_k=2, gate="gshard", activation="swiglu",
-                  gate_kwargs=dict(capacity=(0.6, 0.6)))
+                  gate_kwargs=dict(capacity=(0.6, 0.6)), **kw)
     layers = [fmoe.FMoETransformerMLP(backend=backend, **kwargs).to(DEVICE, dtype) for backend in ("triton", "torch")]
     layers[1].load_state_dict(layers[0].state_dict())
     x = torch.randn(2, 12, 16).to(DEVICE, dtype)

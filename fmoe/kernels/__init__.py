@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from fmoe.autocast import autocast_dtype
-from fmoe.env import env_choice
+from fmoe.env import env_choice, env_flag
 from fmoe.kernels import checks, ops, torch_ops
 from fmoe.routing import RoutingPlan
 
@@ -92,6 +92,7 @@ def backend_report() -> dict:
         "FMOE_BACKEND": os.environ.get("FMOE_BACKEND"),
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"),
         "cuda_rule": "triton on sm_80 and later, torch (cuBLAS) before",
+        "triton_tma": _tma_state(),
     }
     devices = [(f"cuda:{i}_tensors", torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
     for key, device in devices + [("cpu_tensors", None)]:
@@ -100,6 +101,17 @@ def backend_report() -> dict:
         except ValueError as err:
             report[key] = f"error: {err}"
     return report
+
+
+def _tma_state() -> str:
+    """Whether the Hopper grouped GEMM (tensor descriptors, persistent tiles) is opted into."""
+    try:
+        on = env_flag("FMOE_TRITON_TMA", False)
+    except ValueError as err:
+        return f"error: {err}"
+    if on:
+        return "on (FMOE_TRITON_TMA=1): the row-reading GEMMs on sm_90 and later"
+    return "off (FMOE_TRITON_TMA=1 opts in, sm_90 and later; not yet checked on a GPU)"
 
 
 def _explained_choice(device: Optional[torch.device]) -> str:

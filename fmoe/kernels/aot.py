@@ -20,19 +20,30 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import triton
-from triton import knobs
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton.compiler.compiler import get_cache_invalidating_env_vars, get_cache_key
-from triton.runtime.jit import create_function_from_signature
+
+try:    # compiling needs Triton 3.9's internals; `launches` (gpu_check.py loads them on a GPU) does not
+    from triton import knobs
+    from triton.compiler import ASTSource, make_backend
+    from triton.compiler.compiler import get_cache_invalidating_env_vars, get_cache_key
+    from triton.runtime.jit import create_function_from_signature
+    COMPILER_IMPORT_ERROR = None
+except ImportError as err:
+    knobs = ASTSource = make_backend = get_cache_invalidating_env_vars = get_cache_key = None
+    create_function_from_signature = None
+    COMPILER_IMPORT_ERROR = err
 
 from fmoe.kernels import triton_grouped_mm as gmm
+from fmoe.kernels import triton_grouped_mm_tma as tma
 from fmoe.kernels import triton_permute as perm
 
 # Per-block shared memory each target allows (opt-in maximum), in bytes.
@@ -45,6 +56,9 @@ DTYPES = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False),
 SHAPE = dict(T=4096, D=4096, F=14336, E=8, K=2)
 INSTRUCTIONS = {"wgmma": "wgmma.mma_async", "mma.sync": "mma.sync", "cp.async": "cp.async.",
                 "cp.async.bulk.tensor": "cp.async.bulk.tensor", "fma": "fma.rn.f32"}
+# Opcodes looked for in the SASS of the Hopper (TMA) kernel, disassembled by the wheel's cuobjdump:
+# the copy engine's loads and stores, wgmma, cp.async (LDGSTS) and local-memory spills.
+SASS_OPCODES = ("UTMALDG", "UTMASTG", "HGMMA", "HMMA", "LDGSTS", "LDL", "STL")
 
 
 @contextlib.contextmanager
@@ -57,27 +71,36 @@ def _tf32(allowed: bool):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def launches(dtype: torch.dtype, shape: dict = SHAPE):
-    """(name, kernel, args, constexprs, autotuned) of every launch the layer makes, on meta tensors."""
+def launches(dtype: torch.dtype, shape: dict = SHAPE, target: int = 90, device: str = "meta"):
+    """(name, kernel, args, constexprs, configs) of every launch the layer makes on `target`, on meta
+    tensors; configs is "gemm" (the GEMMs' autotune list), "tma" (the Hopper kernel's) or None (fixed).
+    The Hopper kernel (FMOE_TRITON_TMA=1) is listed for sm_90 and dtypes whose dot has tensor cores.
+    On device="cuda" the tensors are real (uninitialised), for loading the same kernels on a GPU."""
     T, D, F, E, K = (shape[k] for k in ("T", "D", "F", "E", "K"))
     N = T * K
 
     def empty(*size, dt=dtype):
-        return torch.empty(*size, dtype=dt, device="meta")
+        return torch.empty(*size, dtype=dt, device=device)
 
     x_TD, x_ND, h_NF, w_eDF, b_eF = empty(T, D), empty(N, D), empty(N, F), empty(E, D, F), empty(E, F)
     counts_e, token_N = empty(E, dt=torch.int64), empty(N, dt=torch.int64)
     row_of_slot_TK, weight_TK = empty(T, K, dt=torch.int64), empty(T, K)
-    gemms = {
-        "grouped_mm": gmm.grouped_mm_launch(x_ND, w_eDF, counts_e, None, None, h_NF),
-        "grouped_mm+bias": gmm.grouped_mm_launch(x_ND, w_eDF, counts_e, None, b_eF, h_NF),
-        "gather_grouped_mm": gmm.grouped_mm_launch(x_TD, w_eDF, counts_e, token_N, None, h_NF),
-        "gather_grouped_mm+bias": gmm.grouped_mm_launch(x_TD, w_eDF, counts_e, token_N, b_eF, h_NF),
-        # the input gradient (and FMoELinear's forward) reads the weight transposed
-        "grouped_mm[w^T]": gmm.grouped_mm_launch(h_NF, w_eDF.transpose(1, 2), counts_e, None, None, x_ND),
-        "weight_grad": gmm.weight_grad_launch(x_ND, h_NF, counts_e, None, w_eDF),
-        "weight_grad[gather]": gmm.weight_grad_launch(x_TD, h_NF, counts_e, token_N, w_eDF),
+    # (x, w, rows, bias, y) of each row-reading GEMM; the input gradient (and FMoELinear's forward)
+    # reads the weight transposed.
+    row_gemms = {
+        "grouped_mm": (x_ND, w_eDF, None, None, h_NF),
+        "grouped_mm+bias": (x_ND, w_eDF, None, b_eF, h_NF),
+        "gather_grouped_mm": (x_TD, w_eDF, token_N, None, h_NF),
+        "gather_grouped_mm+bias": (x_TD, w_eDF, token_N, b_eF, h_NF),
+        "grouped_mm[w^T]": (h_NF, w_eDF.transpose(1, 2), None, None, x_ND),
     }
+    gemms = {name: gmm.grouped_mm_launch(x, w, counts_e, rows, b, y) for name, (x, w, rows, b, y) in row_gemms.items()}
+    gemms["weight_grad"] = gmm.weight_grad_launch(x_ND, h_NF, counts_e, None, w_eDF)
+    gemms["weight_grad[gather]"] = gmm.weight_grad_launch(x_TD, h_NF, counts_e, token_N, w_eDF)
+    hopper = {}
+    if target >= 90 and gmm.dot_mode(dtype) in tma.TMA_CONFIGS:
+        hopper = {f"tma_{name}": tma.grouped_mm_tma_launch(x, w, counts_e, rows, b, y)
+                  for name, (x, w, rows, b, y) in row_gemms.items()}
     others = {
         "expert_row_sums": gmm.row_sums_launch(h_NF, counts_e, b_eF),
         "permute": perm.permute_launch(x_TD, token_N, x_ND),
@@ -86,8 +109,9 @@ def launches(dtype: torch.dtype, shape: dict = SHAPE):
         "unpermute_backward": perm.unpermute_backward_launch(x_TD, x_ND, weight_TK, token_N, token_N, x_ND,
                                                              weight_TK),
     }
-    return ([(name, *launch, True) for name, launch in gemms.items()]
-            + [(name, *launch, False) for name, launch in others.items()])
+    return ([(name, *launch, "gemm") for name, launch in gemms.items()]
+            + [(name, *launch, "tma") for name, launch in hopper.items()]
+            + [(name, *launch, None) for name, launch in others.items()])
 
 
 def _source(kernel, args, constexprs, options: dict, backend):
@@ -110,8 +134,27 @@ def _parse_ptxas(log: str) -> dict:
             "stack_frame": int(stack.group(1)) if stack else 0}
 
 
-def _compile(src: ASTSource, target: GPUTarget, options: dict) -> dict:
-    """Compile (never from Triton's cache, whose hit would skip ptxas and its log) and measure."""
+def cuobjdump() -> "str | None":
+    """The cuobjdump shipped in Triton's wheel (None when this install has none)."""
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return path if os.access(path, os.X_OK) else None
+
+
+def sass_opcodes(cubin: bytes) -> "list | None":
+    """The SASS_OPCODES in a cubin's disassembly (None without cuobjdump)."""
+    tool = cuobjdump()
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return sorted(op for op in SASS_OPCODES if re.search(rf"\b{op}\b", sass))
+
+
+def _compile(src: ASTSource, target: GPUTarget, options: dict, sass: bool = False) -> dict:
+    """Compile (never from Triton's cache, whose hit would skip ptxas and its log) and measure;
+    `sass`: also disassemble the cubin (row key "sass": the SASS_OPCODES found, None without cuobjdump)."""
     log = io.StringIO()
     start = time.perf_counter()
     with knobs.compilation.scope(), knobs.nvidia.scope():
@@ -123,25 +166,29 @@ def _compile(src: ASTSource, target: GPUTarget, options: dict) -> dict:
             except Exception as err:    # noqa: BLE001 - any compile failure is a finding to report
                 return {"compiled": False, "error": f"{type(err).__name__}: {str(err)[:500]}"}
     ptx = compiled.asm["ptx"]
-    return {"compiled": True, **_parse_ptxas(log.getvalue()), "shared": compiled.metadata.shared,
-            "instructions": sorted(name for name, text in INSTRUCTIONS.items() if text in ptx),
-            "compile_seconds": round(time.perf_counter() - start, 2)}
+    row = {"compiled": True, **_parse_ptxas(log.getvalue()), "shared": compiled.metadata.shared,
+           "instructions": sorted(name for name, text in INSTRUCTIONS.items() if text in ptx)}
+    if sass:
+        row["sass"] = sass_opcodes(compiled.asm["cubin"])
+        row["global_scratch"] = compiled.metadata.global_scratch_size
+    return {**row, "compile_seconds": round(time.perf_counter() - start, 2)}
 
 
 def _cache_dir() -> str:
     return os.path.join(knobs.cache.dir, "fmoe-aot")
 
 
-def _cached_compile(src: ASTSource, cc: int, options: dict) -> dict:
+def _cached_compile(src: ASTSource, cc: int, options: dict, sass: bool = False) -> dict:
     """One report row's measured part, from the cache or a fresh compile."""
     target = GPUTarget("cuda", cc, 32)
     backend = make_backend(target)
     key = get_cache_key(src, backend, backend.parse_options(options), env_vars=get_cache_invalidating_env_vars())
+    key += "+sass" if sass else ""
     path = os.path.join(_cache_dir(), hashlib.sha256(key.encode()).hexdigest() + ".json")
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
-    row = _compile(src, target, options)
+    row = _compile(src, target, options, sass)
     os.makedirs(_cache_dir(), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -157,6 +204,9 @@ def _check_args(targets, dtypes):
     bad = [name for name in dtypes if name not in DTYPES]
     if bad:
         raise ValueError(f"dtypes must be among {sorted(DTYPES)}, got {bad}")
+    if COMPILER_IMPORT_ERROR is not None:
+        raise ValueError(f"the AOT check needs the compiler internals of Triton 3.9 ({triton.__version__} here): "
+                         f"{COMPILER_IMPORT_ERROR}")
     if gmm.interpreting():
         raise ValueError("the AOT check compiles for GPUs: unset TRITON_INTERPRET (it makes triton.jit interpret)")
 
@@ -185,8 +235,9 @@ def _report_pair(cc: int, dtype_name: str) -> list:
     rows = []
     with _tf32(tf32):
         mode = gmm.dot_mode(dtype)
-        for name, kernel, args, constexprs, autotuned in launches(dtype):
-            configs = gmm.gpu_configs(generation, mode) if autotuned else [None]
+        for name, kernel, args, constexprs, family in launches(dtype, target=cc):
+            configs = {"gemm": lambda: gmm.gpu_configs(generation, mode), "tma": lambda: tma.tma_configs(mode),
+                       None: lambda: [None]}[family]()
             for i, config in enumerate(configs):
                 options = {**config.kwargs, "num_warps": config.num_warps,
                            "num_stages": config.num_stages} if config else {}
@@ -195,14 +246,42 @@ def _report_pair(cc: int, dtype_name: str) -> list:
                 row = {"target": f"sm_{cc}", "dtype": dtype_name, "kernel": name,
                        "config": {**meta, "warps": parsed.num_warps, "stages": parsed.num_stages} if config else "fixed",
                        "pinned": i == 0, "shared_limit": SHARED_LIMIT[cc]}
-                row.update(_cached_compile(src, cc, {"num_warps": parsed.num_warps, "num_stages": parsed.num_stages}))
+                row.update(_cached_compile(src, cc, {"num_warps": parsed.num_warps, "num_stages": parsed.num_stages},
+                                           sass=family == "tma"))
                 rows.append(row)
     return rows
 
 
+@triton.jit
+def _descriptor_gather_probe(x_ptr, rows_ptr, y_ptr, T, D, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows of x gathered through a tensor descriptor: what the Hopper kernel would use for x[rows]."""
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, D], strides=[D, 1], block_shape=[1, BLOCK_K])
+    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[BLOCK_M, BLOCK_K], strides=[BLOCK_K, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    y_desc.store([0, 0], x_desc.gather(tl.load(rows_ptr + tl.arange(0, BLOCK_M)), 0))
+
+
+def descriptor_gather(cc: int) -> str:
+    """Whether a descriptor gather of bf16 rows compiles for sm_`cc` ("compiles", or the error's
+    telling line): why the Hopper kernel loads gathered rows with plain loads."""
+    src = ASTSource(_descriptor_gather_probe, {"x_ptr": "*bf16", "rows_ptr": "*i32", "y_ptr": "*bf16", "T": "i32",
+                                               "D": "i32"}, {"BLOCK_M": 64, "BLOCK_K": 64})
+    with knobs.compilation.scope():
+        knobs.compilation.always_compile = True
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
+            except Exception as err:    # noqa: BLE001 - the failure is the finding
+                found = re.search(r"error\s*:\s*(.*requires.*)", str(err))
+                return found.group(1).strip() if found else f"{type(err).__name__}: {str(err)[:300]}"
+    return "compiles, " + ("tile::gather4" if "gather4" in compiled.asm["ptx"] else "without gather4")
+
+
 def problems(rows: list) -> list:
     """What the report breaks, one line each: a failed compile, shared memory over the target's
-    limit, spills on sm_80 / sm_90, an sm_90 GEMM without wgmma (fp32 without TF32 has none)."""
+    limit, spills on sm_80 / sm_90, an sm_90 GEMM without wgmma (fp32 without TF32 has none), a
+    Hopper (TMA) kernel without the copy engine in its PTX or without UTMALDG / UTMASTG / HGMMA in its
+    SASS (checked where cuobjdump exists)."""
     found = []
     for r in rows:
         where = f"{r['target']} {r['dtype']} {r['kernel']} {r['config']}"
@@ -216,6 +295,12 @@ def problems(rows: list) -> list:
         if (r["target"] == "sm_90" and r["config"] != "fixed" and r["dtype"] != "fp32-ieee"
                 and "wgmma" not in r["instructions"]):
             found.append(f"{where}: no wgmma in the PTX")
+        if r["kernel"].startswith("tma_"):
+            if "cp.async.bulk.tensor" not in r["instructions"]:
+                found.append(f"{where}: no cp.async.bulk.tensor (TMA) in the PTX")
+            missing = [op for op in ("UTMALDG", "UTMASTG", "HGMMA") if r["sass"] is not None and op not in r["sass"]]
+            if missing:
+                found.append(f"{where}: no {', '.join(missing)} in the SASS")
     return found
 
 
@@ -235,15 +320,16 @@ def summary(rows: list) -> dict:
 
 def format_rows(rows: list):
     """Report rows as aligned text lines."""
-    yield f"{'target':<6} {'dtype':<9} {'kernel':<23} {'config':<34} {'regs':>4} {'spill':>5} {'shared':>7}  instructions"
+    yield f"{'target':<6} {'dtype':<9} {'kernel':<26} {'config':<34} {'regs':>4} {'spill':>5} {'shared':>7}  instructions"
     for r in rows:
         config = r["config"] if r["config"] == "fixed" else (
             "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} w{warps} s{stages}".format(**r["config"]) + (" (pinned)" if r["pinned"] else ""))
         if not r["compiled"]:
-            yield f"{r['target']:<6} {r['dtype']:<9} {r['kernel']:<23} {config:<34} error: {r['error'][:80]}"
+            yield f"{r['target']:<6} {r['dtype']:<9} {r['kernel']:<26} {config:<34} error: {r['error'][:80]}"
             continue
-        yield (f"{r['target']:<6} {r['dtype']:<9} {r['kernel']:<23} {config:<34} {r['registers']:>4} "
-               f"{r['spill_stores']:>5} {r['shared'] // 1024:>5}KB  {' '.join(r['instructions'])}")
+        sass = f" | SASS {' '.join(r['sass'])}" if r.get("sass") else ""
+        yield (f"{r['target']:<6} {r['dtype']:<9} {r['kernel']:<26} {config:<34} {r['registers']:>4} "
+               f"{r['spill_stores']:>5} {r['shared'] // 1024:>5}KB  {' '.join(r['instructions'])}{sass}")
 
 
 def main(argv=None) -> int:
@@ -272,7 +358,9 @@ def main(argv=None) -> int:
     if args.out:
         doc = {"machine": f"{platform.platform()}, {os.cpu_count()} CPUs, no GPU needed (compiled ahead of time)",
                "triton": triton.__version__, "torch": torch.__version__, "shape": SHAPE, "seconds": round(seconds, 1),
-               "summary": summary(rows), "problems": found, "rows": rows}
+               "summary": summary(rows), "problems": found,
+               "descriptor_gather": {f"sm_{cc}": descriptor_gather(cc) for cc in (90, 100)},
+               "cuobjdump": cuobjdump() is not None, "rows": rows}
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
