@@ -617,3 +617,21 @@ def check_compiled_layer_matches_eager(rank, world):
         torch.testing.assert_close(dx_c, dx_e, atol=1e-5, rtol=1e-5)
         for a, b in zip(grads_c, grads_e):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def check_expert_parallel_keeps_received_rows_once(rank, world):
+    """recompute="activation" across ranks: the floats kept are x (the gate's input), the gate's
+    top-k scores, and of the rows this rank received (once) the rows, their pre-activation and
+    their routing weights; nothing per sent slot (no T*K*D tensor on the sending side)."""
+    from fmoe.memory import saved_bytes
+    e, top_k = 2, 2
+    _, ep = build_pair("naive", top_k, e, world, rank, activation="swiglu")
+    T = 6 + 3 * rank                     # unequal tokens: received and sent rows differ in number
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    saved = saved_bytes(ep, x)
+    sent_E = ep.last_counts_E.clone()
+    dist.all_reduce(sent_E)              # rows each expert received from all ranks
+    R = int(sent_E[rank * e:(rank + 1) * e].sum())
+    floats = sum(n for n, dtype, _ in saved.storages.values() if dtype.is_floating_point)
+    assert floats == 4 * (T * D + T * top_k + R * (D + 2 * H + 1)), (floats, T, R)
+    assert all(shape != (T * top_k, D) for _, dtype, shape in saved.storages.values())

@@ -162,3 +162,7 @@ def test_peak_covers_the_saved_set():
 
 def test_expert_parallel_modes_equal_one_process():
     run_ranks(dist_workers.check_recompute_modes_match_single_process, 2)
+
+
+def test_expert_parallel_keeps_received_rows_once():
+    run_ranks(dist_workers.check_expert_parallel_keeps_received_rows_once, 2)
