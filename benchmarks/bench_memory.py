@@ -2,7 +2,8 @@
 
 For each published expert shape (token count and widths scaled to fit a CPU): the bytes a forward
 keeps for its backward (fmoe.memory, exact, parameters left out), the peak of a forward + backward
-beyond what was allocated before it, and the fwd+bwd time, for
+beyond what was allocated before it (gradients set to None first, as optimizer.zero_grad() does),
+the transient part of that peak (peak - saved - the gradients themselves), and the fwd+bwd time, for
 
 - fmoe's FMoETransformerMLP with recompute="activation" (the default), "experts" and "none"
   ("none" is the path fmoe had before the lean layer: permute, experts, weighted unpermute);
@@ -136,9 +137,15 @@ def measure(name, d, n, E, K, tokens, reps, skip=(), device="cpu", dtype=torch.f
         def step(module=module, xg=xg):
             module(xg).sum().backward()
         step()      # first call: lazy initialisation and caches out of the peak
+        # Gradients set to None before, as optimizer.zero_grad() does: the step allocates them.
+        module.zero_grad(set_to_none=True)
+        xg.grad = None
         peak = peak_bytes(step, x.device) / tokens
+        grads = (sum(p.numel() * p.element_size() for p in module.parameters()) + xg.nbytes) / tokens
         row["layers"][label] = {"saved_bytes_per_token": saved, "ratio_to_floor": saved / floor,
-                                "peak_bytes_per_token": peak}
+                                "peak_bytes_per_token": peak,
+                                # The largest transient beyond the saved set and the gradients themselves.
+                                "transient_bytes_per_token": peak - saved - grads}
         steps[label] = step
     seconds = time_interleaved(steps, warmup=1, reps=reps)
     for label, s in seconds.items():
@@ -150,6 +157,8 @@ def measure(name, d, n, E, K, tokens, reps, skip=(), device="cpu", dtype=torch.f
                              for k, v in row["layers"].items() if "saved_bytes_per_token" in v},
         "peak_vs_default": {k: v["peak_bytes_per_token"] / default["peak_bytes_per_token"]
                             for k, v in row["layers"].items() if "peak_bytes_per_token" in v},
+        "transient_vs_default": {k: v["transient_bytes_per_token"] / default["transient_bytes_per_token"]
+                                 for k, v in row["layers"].items() if "transient_bytes_per_token" in v},
         # > 1: the default is faster.
         "speed_of_default_vs": {k: v["seconds"] / default["seconds"]
                                 for k, v in row["layers"].items() if "seconds" in v},
@@ -161,14 +170,14 @@ def measure(name, d, n, E, K, tokens, reps, skip=(), device="cpu", dtype=torch.f
 def print_row(row):
     print(f"{row['shape']}: d {row['d_model']} n {row['d_hidden']} E {row['experts']} K {row['top_k']}, "
           f"{row['tokens']} tokens; fmoe floor {row['floor_bytes_per_token']} B/token")
-    print(f"  {'layer':16s} {'saved B/tok':>12s} {'x floor':>8s} {'peak B/tok':>12s} {'fwd+bwd s':>10s} "
-          f"{'default faster':>15s}")
+    print(f"  {'layer':16s} {'saved B/tok':>12s} {'x floor':>8s} {'peak B/tok':>12s} {'transient':>10s} "
+          f"{'fwd+bwd s':>10s} {'default faster':>15s}")
     for label, v in row["layers"].items():
         if "error" in v:
             print(f"  {label:16s} {v['error']}")
             continue
         print(f"  {label:16s} {v['saved_bytes_per_token']:12.0f} {v['ratio_to_floor']:8.2f} "
-              f"{v['peak_bytes_per_token']:12.0f} {v['seconds']:10.4f} "
+              f"{v['peak_bytes_per_token']:12.0f} {v['transient_bytes_per_token']:10.0f} {v['seconds']:10.4f} "
               f"{row['ratios']['speed_of_default_vs'][label]:14.2f}x")
 
 
