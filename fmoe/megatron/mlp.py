@@ -97,6 +97,13 @@ class MegatronMLP(MegatronModule):
         self.moe.sequence_first = True      # Megatron's hidden states are [s, b, h]: aux_loss="sequence" reads them so
         if config.perform_initialization:
             self.init_like_megatron()
+        if getattr(self.moe.gate, "balance_group", None) == "world":
+            # The gate's replicas (whose loads a balancing bias or a global-batch loss sums) are the
+            # ranks of this pipeline stage: its tensor x data x context parallel ranks.
+            self.moe.gate.balance_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        if self.tp_size > 1 and config.sequence_parallel:
+            # Each tensor-parallel rank routes its part of the sequence: the losses count over all parts.
+            self.moe.gate.token_partition = parallel_state.get_tensor_model_parallel_group()
         for p in self.moe.experts.parameters():
             p.allreduce = False
         for p in self.moe.gate.parameters():
@@ -141,7 +148,10 @@ class MegatronMLP(MegatronModule):
             num_tokens = keep_SB.sum()
         aux = self.moe.aux_loss
         if self.training and torch.is_grad_enabled() and self.aux_loss_coeff and aux is not None and aux.requires_grad:
-            save_to_aux_losses_tracker("load_balancing_loss", aux, self.layer_number, self.config.num_layers)
+            # As Megatron's router: the parts of a sequence-parallel partition add up, then the average
+            # over data-parallel ranks (and over the pipeline stages' layers when logged).
+            save_to_aux_losses_tracker("load_balancing_loss", aux.detach(), self.layer_number, self.config.num_layers,
+                                       reduce_group=parallel_state.get_tensor_and_context_parallel_group())
             scaled = self.aux_loss_coeff * aux
             if self.config.calculate_per_token_loss:
                 # The main loss is then a sum over tokens, divided by the global token count later.

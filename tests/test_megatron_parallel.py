@@ -1,0 +1,127 @@
+"""fmoe's MoE layers in Megatron-Core's pipeline schedules, at layouts of 2, 4 and 8 real processes
+(gloo, CPU), each held equal to one process training the same 4-layer GPT on the same global batch.
+
+The single process saves the initial weights; every layout loads them (resharded to its pipeline
+x tensor x expert layout), trains 3 steps of 4 micro-batches and saves its final state. Equal
+means: the loss of every step, every parameter and balancing bias after the last step, and the
+load-balancing loss of every layer as Megatron's MoE tracker logs it. The router moves a
+balancing bias once per global batch, whatever the micro-batches and stages in flight.
+
+`make test` runs the 2-rank subset (1F1B + interleaved virtual stages, 2 ranks); the 4- and
+8-rank layouts run with FMOE_TEST_MEGATRON_PARALLEL=1 (`make test-megatron-parallel`).
+"""
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'fmoe[megatron]')")
+
+from tests import megatron_parallel_workers as workers  # noqa: E402
+from tests.dist_utils import run_ranks  # noqa: E402
+
+SLOW = pytest.mark.skipif(os.environ.get("FMOE_TEST_MEGATRON_PARALLEL") != "1",
+                          reason="4- and 8-rank Megatron layouts: make test-megatron-parallel")
+SPEED = workers.GATE["gate_kwargs"]["bias_update_speed"]
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("megatron_parallel"))
+
+
+_runs = {}
+
+
+def run(out_dir: str, *names: str):
+    """Train the layouts `names` (same world size) in one launch, once per session; their results."""
+    if "single" not in _runs and names != ("single",):
+        run(out_dir, "single")
+    todo = [n for n in names if n not in _runs]
+    if todo:
+        init = None if todo == ["single"] else os.path.join(out_dir, "init")
+        run_ranks(workers.worker, workers.LAYOUTS[todo[0]][0], out_dir, todo, init)
+        for name in todo:
+            with open(os.path.join(out_dir, name, "result.json")) as f:
+                _runs[name] = json.load(f)
+            _runs[name]["final"] = final_state(os.path.join(out_dir, name, "final", f"iter_{workers.STEPS:07d}"))
+    return [_runs[n] for n in names]
+
+
+def final_state(folder: str) -> dict:
+    """The model's tensors in a Megatron distributed checkpoint, whole, by name."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(folder, os.path.join(tmp, "state.pt"))
+        state = torch.load(os.path.join(tmp, "state.pt"), weights_only=False)
+    return {k: v for k, v in state.items() if torch.is_tensor(v) and k.split(".")[0] in
+            ("embedding", "decoder", "output_layer")}
+
+
+def assert_equal_to_one_process(out_dir, name):
+    single, layout = run(out_dir, "single", name)
+    assert layout["losses"] == pytest.approx(single["losses"], abs=2e-5), (name, layout["losses"], single["losses"])
+    assert single["losses"][-1] < single["losses"][0], "the model learns"
+    assert set(layout["final"]) == set(single["final"])
+    for key, tensor in single["final"].items():
+        diff = (layout["final"][key] - tensor).abs().max().item()
+        assert diff < 1e-4, (name, key, diff)
+    biases = [k for k in single["final"] if k.endswith("e_score_correction_bias")]
+    assert biases and all(single["final"][k].abs().max() > 0 for k in biases), "the balancing biases moved"
+    for step in range(workers.STEPS):
+        # Once per global batch: every bias entry moved by the speed (or by nothing), never twice.
+        for moves in layout["bias_moves"][step] + single["bias_moves"][step]:
+            assert all(m == 0.0 or m == pytest.approx(SPEED) for m in moves), (name, step, moves)
+        for layer in range(workers.LAYERS):
+            tag = f"moe/load_balancing_loss_layer_{layer}"
+            assert layout["logged"][step][tag] == pytest.approx(single["logged"][step][tag], abs=1e-5), \
+                (name, step, tag)
+
+
+def test_pipeline_with_virtual_stages_on_2_ranks_equals_one_process(out_dir):
+    assert_equal_to_one_process(out_dir, "pp2_vpp2")
+
+
+@SLOW
+@pytest.mark.parametrize("name", ["pp2_ep2", "pp2_tp2_sp", "pp2_vpp2_ep2"])
+def test_4_rank_layout_equals_one_process(out_dir, name):
+    run(out_dir, "pp2_ep2", "pp2_tp2_sp", "pp2_vpp2_ep2")
+    assert_equal_to_one_process(out_dir, name)
+
+
+@SLOW
+@pytest.mark.parametrize("name", ["pp2_tp2_ep2"])
+def test_8_rank_layout_equals_one_process(out_dir, name):
+    assert_equal_to_one_process(out_dir, name)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(expert_parallel_size=2, num_experts=3), "num_experts=3 is not divisible by expert_parallel_size=2"),
+    (dict(pipeline_parallel_size=2, num_layers=3), "num_layers=3 is not divisible by pipeline_parallel_size=2 x "
+                                                   "virtual_pipeline_parallel_size=1 = 2 model chunks"),
+    (dict(pipeline_parallel_size=2, virtual_pipeline_parallel_size=2, num_layers=6),
+     "num_layers=6 is not divisible by pipeline_parallel_size=2 x virtual_pipeline_parallel_size=2 = 4"),
+    (dict(tensor_parallel_size=2, pipeline_parallel_size=3), "the world size 8 is not a multiple of "
+                                                             "tensor_parallel_size=2 x pipeline_parallel_size=3"),
+    (dict(pipeline_parallel_size=2, expert_parallel_size=8), "expert_parallel_size=8 must divide the 4 ranks of a "
+                                                             "pipeline stage"),
+    (dict(virtual_pipeline_parallel_size=2), "virtual_pipeline_parallel_size=2 needs pipeline_parallel_size >= 2"),
+    (dict(context_parallel_size=0), "context_parallel_size must be a positive integer, got 0"),
+])
+def test_a_layout_that_cannot_work_is_refused_naming_the_sizes(kwargs, message):
+    from fmoe.megatron.training import check_layout
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_layout(8, **kwargs)
+
+
+def test_initialize_refuses_a_bad_layout_on_every_rank(out_dir):
+    run_ranks(workers.bad_layout_worker, 2, out_dir)
+    for rank in range(2):
+        with open(os.path.join(out_dir, f"bad{rank}.json")) as f:
+            errors = json.load(f)
+        assert "num_experts=3 is not divisible by expert_parallel_size=2" in errors["experts"], errors
+        assert "num_layers=3 is not divisible by pipeline_parallel_size=2" in errors["layers"], errors
