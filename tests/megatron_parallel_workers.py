@@ -1,7 +1,9 @@
 """Workers for tests/test_megatron_parallel.py: one small GPT with fmoe MoE layers trained at a
-Megatron layout (pipeline, virtual pipeline, tensor + sequence, expert, context, data parallel)
-from one initial checkpoint, on one global batch a step, writing its losses and its final
-checkpoint for the test to hold against the single-process run."""
+Megatron layout (pipeline, virtual pipeline, tensor + sequence, expert, data parallel) from one
+initial checkpoint, on one global batch a step, writing its losses and its final checkpoint for
+the test to hold against the single-process run; then the same GPT with Megatron-Core's own
+MoELayer (TopKRouter, alltoall dispatcher, SequentialMLP experts, local spec) from the same
+weights, at the same layout, on the same batches."""
 import json
 import os
 from typing import Optional
@@ -10,10 +12,24 @@ import torch
 
 VOCAB, SEQ, HIDDEN, FFN, EXPERTS, LAYERS = 64, 32, 32, 64, 4, 4
 MICRO_ROWS, GLOBAL_MICROBATCHES, STEPS = 2, 4, 3
-# A DeepSeek-V3-like router: sigmoid scores, a balancing bias moved once per step, and a Switch loss.
-GATE = dict(gate="router", gate_kwargs=dict(score="sigmoid", norm_topk_prob=True, selection_bias="updated",
-                                            bias_update_speed=0.05, aux_loss="switch", aux_loss_coef=0.1),
-            aux_loss_coeff=1.0)
+# Megatron-Core router options, each routed by fmoe's gate="megatron" (fmoe.megatron.router) and by
+# Megatron's TopKRouter. The layouts train "deepseek": sigmoid scores, group-limited, scaled, an expert
+# bias moved once per global batch, the sequence-wise balance loss and the z-loss.
+ROUTINGS = {
+    "deepseek": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                     moe_router_bias_update_rate=0.05, moe_router_num_groups=2, moe_router_group_topk=1,
+                     moe_router_topk_scaling_factor=2.0, moe_router_load_balancing_type="seq_aux_loss",
+                     moe_aux_loss_coeff=0.1, moe_z_loss_coeff=1e-3),
+    "softmax_topk_logits": dict(moe_router_score_function="softmax", moe_router_pre_softmax=False,
+                                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1),
+    "softmax_pre_groups": dict(moe_router_score_function="softmax", moe_router_pre_softmax=True,
+                               moe_router_num_groups=2, moe_router_group_topk=2,
+                               moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1,
+                               moe_z_loss_coeff=1e-3),
+    "sigmoid_global": dict(moe_router_score_function="sigmoid", moe_router_load_balancing_type="global_aux_loss",
+                           moe_aux_loss_coeff=0.1),
+}
+BIAS_SPEED = ROUTINGS["deepseek"]["moe_router_bias_update_rate"]
 
 
 def layout(tp=1, pp=1, vpp=None, ep=1, cp=1) -> dict:
@@ -40,21 +56,53 @@ def batch(step: int, micro: int):
     return t[:, :-1], t[:, 1:]
 
 
-def build_gpt(gate=GATE):
-    """This rank's model chunks of the 4-layer GPT at the initialised layout."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
+def gpt_config(routing: str):
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from fmoe.megatron import training
+
+    return TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=FFN,
+                             num_moe_experts=EXPERTS, moe_ffn_hidden_size=FFN, moe_router_topk=2,
+                             moe_token_dispatcher_type="alltoall", add_bias_linear=False, hidden_dropout=0.0,
+                             attention_dropout=0.0, use_cpu_initialization=True, moe_per_layer_logging=True,
+                             **ROUTINGS[routing], **training.parallel_config())
+
+
+def build_gpt(routing: str = "deepseek", megatron_moe: bool = False):
+    """This rank's model chunks of the 4-layer GPT at the initialised layout: fmoe's MLP routing as
+    Megatron's router would, or (`megatron_moe`) Megatron-Core's own MoELayer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
 
     from fmoe.megatron import get_gpt_layer_with_fmoe_spec, training
 
-    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=FFN,
-                               num_moe_experts=EXPERTS, moe_ffn_hidden_size=FFN, moe_router_topk=2,
-                               add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-                               use_cpu_initialization=True, moe_per_layer_logging=True,
-                               **training.parallel_config())
-    spec = get_gpt_layer_with_fmoe_spec(**gate)
+    config = gpt_config(routing)
+    if megatron_moe:
+        spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    else:
+        spec = get_gpt_layer_with_fmoe_spec(gate="megatron")
     return training.model_chunks(lambda **stage: GPTModel(config=config, transformer_layer_spec=spec,
                                                          vocab_size=VOCAB, max_sequence_length=SEQ, **stage))
+
+
+@torch.no_grad()
+def copy_into_megatron_moe(fmoe_chunks, megatron_chunks):
+    """fmoe's weights into Megatron's MoE model at the same layout: dense ones by name, the router,
+    its expert bias and each local expert's two matrices (transposed: fmoe keeps x @ w)."""
+    for fmoe_chunk, meg_chunk in zip(fmoe_chunks, megatron_chunks):
+        source = dict(fmoe_chunk.named_parameters())
+        for name, p in meg_chunk.named_parameters():
+            if ".mlp." not in name:
+                p.copy_(source[name])
+        for f_layer, m_layer in zip(fmoe_chunk.decoder.layers, meg_chunk.decoder.layers):
+            moe, router, experts = f_layer.mlp.moe, m_layer.mlp.router, m_layer.mlp.experts.local_experts
+            router.weight.copy_(moe.gate.gate.proj.weight)
+            if getattr(moe.gate, "e_score_correction_bias", None) is not None:
+                router.expert_bias.copy_(moe.gate.e_score_correction_bias)
+            assert len(experts) == moe.experts.w1_eDF.shape[0]
+            for e, expert in enumerate(experts):
+                expert.linear_fc1.weight.copy_(moe.experts.w1_eDF[e].t())
+                expert.linear_fc2.weight.copy_(moe.experts.w2_eFD[e].t())
 
 
 def my_microbatches(step: int):
@@ -66,27 +114,22 @@ def my_microbatches(step: int):
 
 
 def bias_moves(chunks) -> list:
-    return [m.moe.gate.e_score_correction_bias.clone() for c in chunks for m in c.modules() if hasattr(m, "moe")]
+    """Every MoE layer's balancing bias (fmoe's selection bias or Megatron's expert bias)."""
+    biases = []
+    for chunk in chunks:
+        for module in chunk.modules():
+            if getattr(getattr(module, "moe", None), "gate", None) is not None:
+                if hasattr(module.moe.gate, "e_score_correction_bias"):
+                    biases.append(module.moe.gate.e_score_correction_bias.clone())
+            elif getattr(module, "expert_bias", None) is not None:
+                biases.append(module.expert_bias.clone())
+    return biases
 
 
-def run_layout(name: str, out_dir: str, init_ckpt: Optional[str]):
-    """Train STEPS steps at layout `name` (from `init_ckpt` if given, else saving the initial weights
-    there); rank 0 writes the losses; the final weights go to out_dir/<name>/final."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
+def train(model, optimizer) -> dict:
+    """STEPS steps; each step's loss, how far each bias entry moved, what Megatron's MoE tracker logged."""
     from fmoe.megatron import training
 
-    _, sizes = LAYOUTS[name]
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    training.initialize(seed=5, num_layers=LAYERS, num_experts=EXPERTS, **sizes)
-    model, optimizer = training.wrap(build_gpt(), lr=1e-2)
-    if init_ckpt is None:
-        init_ckpt = os.path.join(out_dir, "init")
-        training.save_checkpoint(init_ckpt, model, None, 0)
-    else:
-        training.load_checkpoint(init_ckpt, model, None, rng=False)
     losses, biases_moved, logged = [], [], []
     for step in range(STEPS):
         before = bias_moves(model)
@@ -96,10 +139,48 @@ def run_layout(name: str, out_dir: str, init_ckpt: Optional[str]):
         writer = RecordingWriter()
         training.log_moe_metrics(model, step + 1, len(micro), writer=writer)
         logged.append(writer.scalars)
+    return {"losses": losses, "bias_moves": biases_moved, "logged": logged}
+
+
+def start(name: str):
+    from megatron.core import parallel_state
+
+    from fmoe.megatron import training
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    training.initialize(seed=5, num_layers=LAYERS, num_experts=EXPERTS, **LAYOUTS[name][1])
+
+
+def run_layout(name: str, out_dir: str, init_ckpt: Optional[str], routings=("deepseek",)):
+    """Train STEPS steps at layout `name` (from `init_ckpt` if given, else saving the initial weights
+    there) with fmoe's MLP, its final state to out_dir/<name>/final; then, for each routing, fmoe's
+    and Megatron's MoE from the initial weights. Rank 0 writes the results."""
+    import torch.distributed as dist
+
+    from fmoe.megatron import training
+
+    start(name)
+    model, optimizer = training.wrap(build_gpt(), lr=1e-2)
+    if init_ckpt is None:
+        init_ckpt = os.path.join(out_dir, "init")
+        training.save_checkpoint(init_ckpt, model, None, 0)
+    else:
+        training.load_checkpoint(init_ckpt, model, None, rng=False)
+    result = train(model, optimizer)
     training.save_checkpoint(os.path.join(out_dir, name, "final"), model, optimizer, STEPS)
+    result["megatron"] = {}
+    for routing in routings:
+        fmoe_chunks = build_gpt(routing)
+        training.load_checkpoint(init_ckpt, fmoe_chunks, None, rng=False)
+        megatron_chunks = build_gpt(routing, megatron_moe=True)
+        copy_into_megatron_moe(fmoe_chunks, megatron_chunks)
+        if routing != "deepseek":
+            result[routing] = train(*training.wrap(fmoe_chunks, lr=1e-2))
+        result["megatron"][routing] = train(*training.wrap(megatron_chunks, lr=1e-2))
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, name, "result.json"), "w") as f:
-            json.dump({"losses": losses, "bias_moves": biases_moved, "logged": logged}, f)
+            json.dump(result, f)
 
 
 class RecordingWriter:
@@ -112,11 +193,11 @@ class RecordingWriter:
         self.scalars[tag] = float(value)
 
 
-def worker(rank, world_size, out_dir, names, init_ckpt):
+def worker(rank, world_size, out_dir, names, init_ckpt, routings=("deepseek",)):
     from megatron.core import parallel_state
 
     for name in names:
-        run_layout(name, out_dir, init_ckpt)
+        run_layout(name, out_dir, init_ckpt, routings)
     parallel_state.destroy_model_parallel()
 
 

@@ -12,6 +12,7 @@ balancing bias once per global batch, whatever the micro-batches and stages in f
 """
 import json
 import os
+import re
 import tempfile
 
 import pytest
@@ -24,7 +25,7 @@ from tests.dist_utils import run_ranks  # noqa: E402
 
 SLOW = pytest.mark.skipif(os.environ.get("FMOE_TEST_MEGATRON_PARALLEL") != "1",
                           reason="4- and 8-rank Megatron layouts: make test-megatron-parallel")
-SPEED = workers.GATE["gate_kwargs"]["bias_update_speed"]
+SPEED = workers.BIAS_SPEED
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,9 @@ def run(out_dir: str, *names: str):
     todo = [n for n in names if n not in _runs]
     if todo:
         init = None if todo == ["single"] else os.path.join(out_dir, "init")
-        run_ranks(workers.worker, workers.LAYOUTS[todo[0]][0], out_dir, todo, init)
+        # One process holds fmoe's and Megatron's MoE equal for every routing; the layouts, for "deepseek".
+        routings = tuple(workers.ROUTINGS) if todo == ["single"] else ("deepseek",)
+        run_ranks(workers.worker, workers.LAYOUTS[todo[0]][0], out_dir, todo, init, routings)
         for name in todo:
             with open(os.path.join(out_dir, name, "result.json")) as f:
                 _runs[name] = json.load(f)
@@ -69,16 +72,30 @@ def assert_equal_to_one_process(out_dir, name):
     for key, tensor in single["final"].items():
         diff = (layout["final"][key] - tensor).abs().max().item()
         assert diff < 1e-4, (name, key, diff)
+    megatron = layout["megatron"]["deepseek"]
+    assert megatron["losses"] == pytest.approx(layout["losses"], abs=2e-5), (name, "Megatron's MoE", megatron["losses"])
     biases = [k for k in single["final"] if k.endswith("e_score_correction_bias")]
     assert biases and all(single["final"][k].abs().max() > 0 for k in biases), "the balancing biases moved"
     for step in range(workers.STEPS):
         # Once per global batch: every bias entry moved by the speed (or by nothing), never twice.
-        for moves in layout["bias_moves"][step] + single["bias_moves"][step]:
+        for moves in layout["bias_moves"][step] + single["bias_moves"][step] + megatron["bias_moves"][step]:
             assert all(m == 0.0 or m == pytest.approx(SPEED) for m in moves), (name, step, moves)
         for layer in range(workers.LAYERS):
             tag = f"moe/load_balancing_loss_layer_{layer}"
             assert layout["logged"][step][tag] == pytest.approx(single["logged"][step][tag], abs=1e-5), \
                 (name, step, tag)
+
+
+@pytest.mark.parametrize("routing", sorted(workers.ROUTINGS))
+def test_megatron_moe_layer_trains_like_fmoe_from_the_same_weights(out_dir, routing):
+    """Megatron-Core's MoELayer (TopKRouter, alltoall dispatcher, SequentialMLP) and fmoe's MLP with
+    gate="megatron", one process: the same loss at every step, the expert bias moved alike."""
+    single, = run(out_dir, "single")
+    fmoe = single if routing == "deepseek" else single[routing]
+    megatron = single["megatron"][routing]
+    assert megatron["losses"] == pytest.approx(fmoe["losses"], abs=2e-5), (routing, megatron, fmoe)
+    assert fmoe["losses"][-1] < fmoe["losses"][0]
+    assert megatron["bias_moves"] == fmoe["bias_moves"]
 
 
 def test_pipeline_with_virtual_stages_on_2_ranks_equals_one_process(out_dir):
@@ -114,8 +131,47 @@ def test_8_rank_layout_equals_one_process(out_dir, name):
 def test_a_layout_that_cannot_work_is_refused_naming_the_sizes(kwargs, message):
     from fmoe.megatron.training import check_layout
 
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         check_layout(8, **kwargs)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(moe_router_score_function="sigmoid", moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1),
+     "moe_router_load_balancing_type='aux_loss' with sigmoid scores"),
+    (dict(moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk=4, moe_router_pre_softmax=True),
+     "moe_router_topk=4 // moe_router_group_topk=1 = 4"),
+    (dict(moe_router_num_groups=2, moe_router_group_topk=1), "moe_router_num_groups with moe_router_pre_softmax=False"),
+    (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type='sinkhorn'"),
+    (dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs"), "moe_expert_capacity_factor"),
+])
+def test_megatron_router_options_without_an_equal_fmoe_gate_are_refused(options, message):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from fmoe.megatron.router import megatron_router_options
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=8, add_bias_linear=False,
+                moe_router_topk=2)
+    config = TransformerConfig(**{**base, **options})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        megatron_router_options(config)
+
+
+def test_megatron_router_options_map_one_to_one():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from fmoe.megatron.router import megatron_router_options
+
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=8,
+                               add_bias_linear=False, moe_router_topk=2, **workers.ROUTINGS["deepseek"])
+    assert megatron_router_options(config) == dict(gate="router", aux_loss_coeff=1.0, gate_kwargs=dict(
+        score="sigmoid", norm_topk_prob=True, selection_bias="updated", bias_update_speed=0.05, n_group=2,
+        topk_group=1, group_score="top2_sum", routed_scaling_factor=2.0, aux_loss=("sequence",),
+        aux_loss_coef={"sequence": 0.1}, z_loss_coef=1e-3))
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=8,
+                               add_bias_linear=False, moe_router_topk=2, moe_router_load_balancing_type="aux_loss",
+                               moe_aux_loss_coeff=0.1)
+    assert megatron_router_options(config)["gate_kwargs"] == dict(softmax_after_topk=True, aux_loss=("switch",),
+                                                                  aux_loss_coef={"switch": 0.05})
 
 
 def test_initialize_refuses_a_bad_layout_on_every_rank(out_dir):

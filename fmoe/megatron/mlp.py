@@ -13,6 +13,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 from torch import nn
 
 from fmoe.layer import FMoE
+from fmoe.megatron.router import megatron_router_options
 from fmoe.gates.load_state import in_recompute
 
 
@@ -43,7 +44,9 @@ class MegatronMLP(MegatronModule):
     balance loss). The experts are spread over Megatron's expert-parallel group (`parallel_state`)
     and tagged `allreduce = False`, which is how Megatron's DDP and optimizer recognise expert
     parameters. The gate's balance loss times `aux_loss_coeff` reaches the training loss through
-    Megatron's MoEAuxLossAutoScaler, as its own router's does. `shadow` (True or a ShadowPolicy)
+    Megatron's MoEAuxLossAutoScaler, as its own router's does. `gate="megatron"` routes as the
+    config's TopKRouter would (`fmoe.megatron.router`: score function, pre-softmax, groups,
+    scaling, expert bias, balance losses and their coefficients, z-loss). `shadow` (True or a ShadowPolicy)
     turns on FasterMoE's shadowing of hot experts over the expert-parallel group, as on FMoE;
     `recompute` chooses what the experts keep for backward, as on FMoE.
     Built on the GPU when there is one.
@@ -73,6 +76,11 @@ class MegatronMLP(MegatronModule):
         if parallel_state.get_expert_tensor_parallel_world_size() != 1:
             raise ValueError("fmoe's experts are whole on each rank: initialise Megatron's parallel state with "
                              "expert_tensor_parallel_size=1")
+        if gate == "megatron":
+            options = megatron_router_options(config)
+            gate, gate_kwargs = options["gate"], {**options["gate_kwargs"], **(gate_kwargs or {})}
+            if aux_loss_coeff is None:
+                aux_loss_coeff = options["aux_loss_coeff"]
         if aux_loss_coeff is None:
             aux_loss_coeff = config.moe_aux_loss_coeff
         if aux_loss_coeff < 0:
