@@ -29,6 +29,7 @@ ROUTINGS = {
     "sigmoid_global": dict(moe_router_score_function="sigmoid", moe_router_load_balancing_type="global_aux_loss",
                            moe_aux_loss_coeff=0.1),
 }
+RESUME_AT = 1          # every layout saves a checkpoint after this many steps
 BIAS_SPEED = ROUTINGS["deepseek"]["moe_router_bias_update_rate"]
 
 
@@ -126,12 +127,15 @@ def bias_moves(chunks) -> list:
     return biases
 
 
-def train(model, optimizer) -> dict:
-    """STEPS steps; each step's loss, how far each bias entry moved, what Megatron's MoE tracker logged."""
+def train(model, optimizer, steps=range(STEPS), save_after: Optional[tuple] = None) -> dict:
+    """The steps; each step's loss, how far each bias entry moved, what Megatron's MoE tracker logged.
+    `save_after` (step, folder): a checkpoint after that many steps."""
     from fmoe.megatron import training
 
     losses, biases_moved, logged = [], [], []
-    for step in range(STEPS):
+    for step in steps:
+        if save_after is not None and step == save_after[0]:
+            training.save_checkpoint(save_after[1], model, optimizer, step)
         before = bias_moves(model)
         micro = my_microbatches(step)
         losses.append(training.train_step(model, optimizer, micro)[0])
@@ -167,7 +171,7 @@ def run_layout(name: str, out_dir: str, init_ckpt: Optional[str], routings=("dee
         training.save_checkpoint(init_ckpt, model, None, 0)
     else:
         training.load_checkpoint(init_ckpt, model, None, rng=False)
-    result = train(model, optimizer)
+    result = train(model, optimizer, save_after=(RESUME_AT, os.path.join(out_dir, name, "resume")))
     training.save_checkpoint(os.path.join(out_dir, name, "final"), model, optimizer, STEPS)
     result["megatron"] = {}
     for routing in routings:
@@ -193,11 +197,33 @@ class RecordingWriter:
         self.scalars[tag] = float(value)
 
 
+def run_resumed(name: str, source: str, out_dir: str):
+    """Layout `name` resumes (model, optimizer, balancing biases) from the checkpoint layout `source` wrote
+    after RESUME_AT steps, and trains the remaining steps."""
+    import torch.distributed as dist
+
+    from fmoe.megatron import training
+
+    start(name)
+    model, optimizer = training.wrap(build_gpt(), lr=1e-2)
+    resumed_at = training.load_checkpoint(os.path.join(out_dir, source, "resume"), model, optimizer, rng=False)
+    result = train(model, optimizer, steps=range(resumed_at, STEPS))
+    folder = os.path.join(out_dir, f"{name}_from_{source}")
+    training.save_checkpoint(os.path.join(folder, "final"), model, optimizer, STEPS)
+    if dist.get_rank() == 0:
+        with open(os.path.join(folder, "result.json"), "w") as f:
+            json.dump(result, f)
+
+
 def worker(rank, world_size, out_dir, names, init_ckpt, routings=("deepseek",)):
+    """Each of `names`: a layout to train, or "<layout>_from_<layout>" to resume one from another."""
     from megatron.core import parallel_state
 
     for name in names:
-        run_layout(name, out_dir, init_ckpt, routings)
+        if "_from_" in name:
+            run_resumed(*name.split("_from_"), out_dir)
+        else:
+            run_layout(name, out_dir, init_ckpt, routings)
     parallel_state.destroy_model_parallel()
 
 
@@ -213,5 +239,12 @@ def bad_layout_worker(rank, world_size, out_dir):
             errors[name] = "no error"
         except ValueError as err:
             errors[name] = str(err)
+    # Context parallelism: Megatron-Core's local spec (no Transformer Engine) refuses it in its attention.
+    training.initialize(context_parallel_size=2, num_layers=LAYERS, num_experts=EXPERTS)
+    try:
+        build_gpt()
+        errors["context_parallel"] = "no error"
+    except AssertionError as err:
+        errors["context_parallel"] = f"{type(err).__name__}: {err}"
     with open(os.path.join(out_dir, f"bad{rank}.json"), "w") as f:
         json.dump(errors, f)

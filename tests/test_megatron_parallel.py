@@ -64,14 +64,18 @@ def final_state(folder: str) -> dict:
             ("embedding", "decoder", "output_layer")}
 
 
-def assert_equal_to_one_process(out_dir, name):
-    single, layout = run(out_dir, "single", name)
-    assert layout["losses"] == pytest.approx(single["losses"], abs=2e-5), (name, layout["losses"], single["losses"])
-    assert single["losses"][-1] < single["losses"][0], "the model learns"
+def assert_same_final_state(name, layout, single):
     assert set(layout["final"]) == set(single["final"])
     for key, tensor in single["final"].items():
         diff = (layout["final"][key] - tensor).abs().max().item()
         assert diff < 1e-4, (name, key, diff)
+
+
+def assert_equal_to_one_process(out_dir, name, *same_launch):
+    single, layout = run(out_dir, "single", name, *same_launch)[:2]
+    assert layout["losses"] == pytest.approx(single["losses"], abs=2e-5), (name, layout["losses"], single["losses"])
+    assert single["losses"][-1] < single["losses"][0], "the model learns"
+    assert_same_final_state(name, layout, single)
     megatron = layout["megatron"]["deepseek"]
     assert megatron["losses"] == pytest.approx(layout["losses"], abs=2e-5), (name, "Megatron's MoE", megatron["losses"])
     biases = [k for k in single["final"] if k.endswith("e_score_correction_bias")]
@@ -84,6 +88,19 @@ def assert_equal_to_one_process(out_dir, name):
             tag = f"moe/load_balancing_loss_layer_{layer}"
             assert layout["logged"][step][tag] == pytest.approx(single["logged"][step][tag], abs=1e-5), \
                 (name, step, tag)
+
+
+def assert_resumed_like_one_process(out_dir, name, *same_launch):
+    """`name` = "<layout>_from_<layout>": resumed from the other layout's checkpoint after RESUME_AT
+    steps (model, Adam's moments, balancing biases resharded), it continues as one process."""
+    single, resumed = run(out_dir, "single", *same_launch, name)[::len(same_launch) + 1]
+    assert resumed["losses"] == pytest.approx(single["losses"][workers.RESUME_AT:], abs=2e-5), (name, resumed)
+    assert_same_final_state(name, resumed, single)
+
+
+FAST = ("pp2_vpp2", "pp2_from_pp2_vpp2")
+FOUR_RANKS = ("pp2_ep2", "pp2_tp2_sp", "pp2_vpp2_ep2", "pp2_vpp2_ep2_from_pp2_tp2_sp")
+EIGHT_RANKS = ("pp2_tp2_ep2", "pp2_tp2_ep2_from_pp2_vpp2_ep2")
 
 
 @pytest.mark.parametrize("routing", sorted(workers.ROUTINGS))
@@ -99,20 +116,36 @@ def test_megatron_moe_layer_trains_like_fmoe_from_the_same_weights(out_dir, rout
 
 
 def test_pipeline_with_virtual_stages_on_2_ranks_equals_one_process(out_dir):
-    assert_equal_to_one_process(out_dir, "pp2_vpp2")
+    assert_equal_to_one_process(out_dir, *FAST)
+
+
+def test_checkpoint_of_virtual_stages_resumes_at_plain_pipeline_stages(out_dir):
+    assert_resumed_like_one_process(out_dir, FAST[1], FAST[0])
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["pp2_ep2", "pp2_tp2_sp", "pp2_vpp2_ep2"])
+@pytest.mark.parametrize("name", FOUR_RANKS[:3])
 def test_4_rank_layout_equals_one_process(out_dir, name):
-    run(out_dir, "pp2_ep2", "pp2_tp2_sp", "pp2_vpp2_ep2")
+    run(out_dir, *FOUR_RANKS)
     assert_equal_to_one_process(out_dir, name)
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["pp2_tp2_ep2"])
-def test_8_rank_layout_equals_one_process(out_dir, name):
-    assert_equal_to_one_process(out_dir, name)
+def test_checkpoint_at_tp2_resumes_at_ep2_with_virtual_stages(out_dir):
+    run(out_dir, *FOUR_RANKS)
+    assert_resumed_like_one_process(out_dir, FOUR_RANKS[3])
+
+
+@SLOW
+def test_8_rank_layout_equals_one_process(out_dir):
+    run(out_dir, *FOUR_RANKS)       # the 8-rank launch resumes from a 4-rank checkpoint
+    assert_equal_to_one_process(out_dir, *EIGHT_RANKS)
+
+
+@SLOW
+def test_checkpoint_of_4_ranks_resumes_at_8_ranks(out_dir):
+    run(out_dir, *FOUR_RANKS)
+    assert_resumed_like_one_process(out_dir, EIGHT_RANKS[1], EIGHT_RANKS[0])
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -181,3 +214,6 @@ def test_initialize_refuses_a_bad_layout_on_every_rank(out_dir):
             errors = json.load(f)
         assert "num_experts=3 is not divisible by expert_parallel_size=2" in errors["experts"], errors
         assert "num_layers=3 is not divisible by pipeline_parallel_size=2" in errors["layers"], errors
+        # What stops context parallelism on a CPU: Megatron-Core's attention without Transformer Engine.
+        assert errors["context_parallel"].startswith("AssertionError: Context parallelism is only supported by "
+                                                     "TEDotProductAttention!"), errors
