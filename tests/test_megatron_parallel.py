@@ -4,8 +4,10 @@
 The single process saves the initial weights; every layout loads them (resharded to its pipeline
 x tensor x expert layout), trains 3 steps of 4 micro-batches and saves its final state. Equal
 means: the loss of every step, every parameter and balancing bias after the last step, and the
-load-balancing loss of every layer as Megatron's MoE tracker logs it. The router moves a
-balancing bias once per global batch, whatever the micro-batches and stages in flight.
+load-balancing loss and z-loss of every layer as Megatron's MoE tracker logs them. The router
+moves a balancing bias once per global batch, whatever the micro-batches and stages in flight.
+At each layout Megatron-Core's own MoELayer, built from the same weights, trains alike; and
+checkpoints saved at one layout after a step resume at another as the one process continues.
 
 `make test` runs the 2-rank subset (1F1B + interleaved virtual stages, 2 ranks); the 4- and
 8-rank layouts run with FMOE_TEST_MEGATRON_PARALLEL=1 (`make test-megatron-parallel`).
@@ -65,10 +67,15 @@ def final_state(folder: str) -> dict:
 
 
 def assert_same_final_state(name, layout, single):
+    """Every tensor equal up to fp32 rounding through Adam: Adam divides each gradient by its own
+    size, so the few elements whose gradient is near 0 (here about 150 of 88k under tensor
+    parallelism, whose reductions add in another order) move by up to lr on rounding alone; the
+    mean difference bounds everything else (a wrong gradient moves many elements)."""
     assert set(layout["final"]) == set(single["final"])
     for key, tensor in single["final"].items():
-        diff = (layout["final"][key] - tensor).abs().max().item()
-        assert diff < 1e-4, (name, key, diff)
+        diff_ = (layout["final"][key] - tensor).abs()
+        assert diff_.max().item() < 1e-3 and diff_.mean().item() < 5e-6, \
+            (name, key, diff_.max().item(), diff_.mean().item())
 
 
 def assert_equal_to_one_process(out_dir, name, *same_launch):
@@ -85,9 +92,11 @@ def assert_equal_to_one_process(out_dir, name, *same_launch):
         for moves in layout["bias_moves"][step] + single["bias_moves"][step] + megatron["bias_moves"][step]:
             assert all(m == 0.0 or m == pytest.approx(SPEED) for m in moves), (name, step, moves)
         for layer in range(workers.LAYERS):
-            tag = f"moe/load_balancing_loss_layer_{layer}"
-            assert layout["logged"][step][tag] == pytest.approx(single["logged"][step][tag], abs=1e-5), \
-                (name, step, tag)
+            for loss in ("load_balancing_loss", "z_loss"):
+                tag = f"moe/{loss}_layer_{layer}"
+                assert single["logged"][step][tag] > 0, (step, tag)
+                assert layout["logged"][step][tag] == pytest.approx(single["logged"][step][tag], rel=1e-5), \
+                    (name, step, tag)
 
 
 def assert_resumed_like_one_process(out_dir, name, *same_launch):

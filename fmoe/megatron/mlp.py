@@ -12,9 +12,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from torch import nn
 
+from fmoe.gates.base import z_loss
+from fmoe.gates.load_state import in_recompute
 from fmoe.layer import FMoE
 from fmoe.megatron.router import megatron_router_options
-from fmoe.gates.load_state import in_recompute
 
 
 def require_parallel_state(who: str):
@@ -156,10 +157,7 @@ class MegatronMLP(MegatronModule):
             num_tokens = keep_SB.sum()
         aux = self.moe.aux_loss
         if self.training and torch.is_grad_enabled() and self.aux_loss_coeff and aux is not None and aux.requires_grad:
-            # As Megatron's router: the parts of a sequence-parallel partition add up, then the average
-            # over data-parallel ranks (and over the pipeline stages' layers when logged).
-            save_to_aux_losses_tracker("load_balancing_loss", aux.detach(), self.layer_number, self.config.num_layers,
-                                       reduce_group=parallel_state.get_tensor_and_context_parallel_group())
+            self.track_losses(aux.detach())
             scaled = self.aux_loss_coeff * aux
             if self.config.calculate_per_token_loss:
                 # The main loss is then a sum over tokens, divided by the global token count later.
@@ -168,6 +166,21 @@ class MegatronMLP(MegatronModule):
         if self.training and self.config.moe_per_layer_logging and not in_recompute():
             self.track_routing_stats()
         return output, None
+
+    def track_losses(self, aux: torch.Tensor):
+        """This forward's gate losses in Megatron's MoE tracker: `z_loss` (the router z-loss, without its
+        coefficient, as Megatron logs it) and `load_balancing_loss` (the balance losses, each times its
+        coefficient). As Megatron's router logs them: the parts of a sequence-parallel partition add up,
+        then the average over data-parallel ranks (and the pipeline stages' layers gathered)."""
+        gate = self.moe.gate
+        partition = parallel_state.get_tensor_and_context_parallel_group()
+        balance = aux
+        if getattr(gate, "z_loss_coef", 0.0) and gate.last_logits_TE is not None:
+            z = z_loss(gate.last_logits_TE.detach(), gate.token_partition)
+            save_to_aux_losses_tracker("z_loss", z, self.layer_number, self.config.num_layers, reduce_group=partition)
+            balance = balance - gate.z_loss_coef * z
+        save_to_aux_losses_tracker("load_balancing_loss", balance, self.layer_number, self.config.num_layers,
+                                   reduce_group=partition)
 
     def track_routing_stats(self):
         """This forward's routing statistics, each a `routing_<statistic>` in Megatron-Core's tracker,
