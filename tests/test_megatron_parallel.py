@@ -4,7 +4,7 @@
 The single process saves the initial weights; every layout loads them (resharded to its pipeline
 x tensor x expert layout), trains 3 steps of 4 micro-batches and saves its final state. Equal
 means: the loss of every step, every parameter and balancing bias after the last step, and the
-load-balancing loss and z-loss of every layer as Megatron's MoE tracker logs them. The router
+load-balancing loss, z-loss and tokens per expert of every layer as Megatron's MoE tracker logs them. The router
 moves a balancing bias once per global batch, whatever the micro-batches and stages in flight.
 At each layout Megatron-Core's own MoELayer, built from the same weights, trains alike; and
 checkpoints saved at one layout after a step resume at another as the one process continues.
@@ -92,9 +92,13 @@ def assert_equal_to_one_process(out_dir, name, *same_launch):
         for moves in layout["bias_moves"][step] + single["bias_moves"][step] + megatron["bias_moves"][step]:
             assert all(m == 0.0 or m == pytest.approx(SPEED) for m in moves), (name, step, moves)
         for layer in range(workers.LAYERS):
-            for loss in ("load_balancing_loss", "z_loss"):
+            # Each micro-batch of a data-parallel rank routes its 2 x 32 tokens to 2 experts each.
+            assert sum(single["logged"][step][f"moe/tokens_per_expert_{e}_layer_{layer}"]
+                       for e in range(workers.EXPERTS)) == workers.MICRO_ROWS * workers.SEQ * 2
+            for loss in ("load_balancing_loss", "z_loss") + tuple(f"tokens_per_expert_{e}"
+                                                                    for e in range(workers.EXPERTS)):
                 tag = f"moe/{loss}_layer_{layer}"
-                assert single["logged"][step][tag] > 0, (step, tag)
+                assert single["logged"][step][tag] > 0 or loss.startswith("tokens"), (step, tag)
                 assert layout["logged"][step][tag] == pytest.approx(single["logged"][step][tag], rel=1e-5), \
                     (name, step, tag)
 

@@ -185,8 +185,15 @@ class MegatronMLP(MegatronModule):
     def track_routing_stats(self):
         """This forward's routing statistics, each a `routing_<statistic>` in Megatron-Core's tracker,
         where they add up over the micro-batches of a step on the device; logged, each rank's value
-        is averaged over the data-parallel ranks. (tokens_per_expert, a vector, stays on the layer:
-        `fmoe.routing_stats(model, over="world")` sums it over all ranks.)"""
+        is averaged over the data-parallel ranks. The slots routed to each expert e go in as
+        `tokens_per_expert_<e>` (one tracker entry, so one all-reduce when logged, per expert),
+        summed over a sequence-parallel partition's parts: logged, the tokens a micro-batch of one
+        data-parallel rank sends each expert, averaged over the step's micro-batches and the
+        data-parallel ranks."""
+        partition = parallel_state.get_tensor_and_context_parallel_group()
+        for e, count in enumerate(self.moe.routing_stats["tokens_per_expert"].float()):
+            save_to_aux_losses_tracker(f"tokens_per_expert_{e}", count, self.layer_number, self.config.num_layers,
+                                       reduce_group=partition)
         for key, value in self.moe.routing_stats.items():
             if key != "tokens_per_expert":
                 # reduce_group_has_dp: megatron-core >= 0.19 would average over the same ranks again.
