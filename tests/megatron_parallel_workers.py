@@ -45,6 +45,8 @@ LAYOUTS = {
     "pp2_ep2": (4, layout(pp=2, ep=2)),
     "pp2_tp2_sp": (4, layout(pp=2, tp=2, ep=2)),
     "pp2_vpp2_ep2": (4, layout(pp=2, vpp=2, ep=2)),
+    # FasterMoE's shadowing (the first and the last expert, every forward) under 1F1B.
+    "pp2_ep2_shadow": (4, layout(pp=2, ep=2)),
     "pp2_tp2_ep2": (8, layout(pp=2, tp=2, ep=2)),
 }
 
@@ -69,7 +71,7 @@ def gpt_config(routing: str):
                              **ROUTINGS[routing], **training.parallel_config())
 
 
-def build_gpt(routing: str = "deepseek", megatron_moe: bool = False):
+def build_gpt(routing: str = "deepseek", megatron_moe: bool = False, shadow: bool = False):
     """This rank's model chunks of the 4-layer GPT at the initialised layout: fmoe's MLP routing as
     Megatron's router would, or (`megatron_moe`) Megatron-Core's own MoELayer."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -80,6 +82,10 @@ def build_gpt(routing: str = "deepseek", megatron_moe: bool = False):
     config = gpt_config(routing)
     if megatron_moe:
         spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    elif shadow:
+        from tests.shadow_workers import FixedShadow
+
+        spec = get_gpt_layer_with_fmoe_spec(gate="megatron", shadow=FixedShadow([0, EXPERTS - 1]))
     else:
         spec = get_gpt_layer_with_fmoe_spec(gate="megatron")
     return training.model_chunks(lambda **stage: GPTModel(config=config, transformer_layer_spec=spec,
@@ -146,6 +152,20 @@ def train(model, optimizer, steps=range(STEPS), save_after: Optional[tuple] = No
     return {"losses": losses, "bias_moves": biases_moved, "logged": logged}
 
 
+def count_shadow_rows(chunks) -> list:
+    """A list that gathers the rows every fmoe layer computes on shadowed experts."""
+    from fmoe.layer import FMoE
+
+    rows = []
+    for chunk in chunks:
+        for moe in [m for m in chunk.modules() if isinstance(m, FMoE)]:
+            def counting(x_ND, plan, run=moe.run_experts):
+                rows.append(int(plan.num_shadow_rows))
+                return run(x_ND, plan)
+            moe.run_experts = counting
+    return rows
+
+
 def start(name: str):
     from megatron.core import parallel_state
 
@@ -165,13 +185,15 @@ def run_layout(name: str, out_dir: str, init_ckpt: Optional[str], routings=("dee
     from fmoe.megatron import training
 
     start(name)
-    model, optimizer = training.wrap(build_gpt(), lr=1e-2)
+    model, optimizer = training.wrap(build_gpt(shadow=name.endswith("_shadow")), lr=1e-2)
+    shadow_rows = count_shadow_rows(model)
     if init_ckpt is None:
         init_ckpt = os.path.join(out_dir, "init")
         training.save_checkpoint(init_ckpt, model, None, 0)
     else:
         training.load_checkpoint(init_ckpt, model, None, rng=False)
     result = train(model, optimizer, save_after=(RESUME_AT, os.path.join(out_dir, name, "resume")))
+    result["shadow_rows"] = sum(shadow_rows)
     training.save_checkpoint(os.path.join(out_dir, name, "final"), model, optimizer, STEPS)
     result["megatron"] = {}
     for routing in routings:

@@ -112,7 +112,7 @@ def assert_resumed_like_one_process(out_dir, name, *same_launch):
 
 
 FAST = ("pp2_vpp2", "pp2_from_pp2_vpp2")
-FOUR_RANKS = ("pp2_ep2", "pp2_tp2_sp", "pp2_vpp2_ep2", "pp2_vpp2_ep2_from_pp2_tp2_sp")
+FOUR_RANKS = ("pp2_ep2", "pp2_tp2_sp", "pp2_vpp2_ep2", "pp2_vpp2_ep2_from_pp2_tp2_sp", "pp2_ep2_shadow")
 EIGHT_RANKS = ("pp2_tp2_ep2", "pp2_tp2_ep2_from_pp2_vpp2_ep2")
 
 
@@ -141,6 +141,15 @@ def test_checkpoint_of_virtual_stages_resumes_at_plain_pipeline_stages(out_dir):
 def test_4_rank_layout_equals_one_process(out_dir, name):
     run(out_dir, *FOUR_RANKS)
     assert_equal_to_one_process(out_dir, name)
+
+
+@SLOW
+def test_shadowing_under_1f1b_equals_one_process(out_dir):
+    """FasterMoE's shadowing (first and last expert pulled by every rank, their gradients pushed back)
+    while 1F1B has two micro-batches of a layer in flight: as one process without shadowing."""
+    run(out_dir, *FOUR_RANKS)
+    assert_equal_to_one_process(out_dir, "pp2_ep2_shadow")
+    assert _runs["pp2_ep2_shadow"]["shadow_rows"] > 0 and _runs["pp2_ep2"]["shadow_rows"] == 0
 
 
 @SLOW
