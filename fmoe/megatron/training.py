@@ -1,17 +1,21 @@
 """A small Megatron-Core training harness, on CPUs with gloo or GPUs with NCCL.
 
-    initialize(tensor_parallel_size, expert_parallel_size, seed)
+    initialize(tensor_parallel_size, expert_parallel_size, seed, pipeline_parallel_size=...,
+               virtual_pipeline_parallel_size=..., num_layers=..., num_experts=...)   # layout checked
+    config = TransformerConfig(..., **parallel_config())
     model = GPTModel(config, get_gpt_layer_with_fmoe_spec(...), ...)   # or fmoefy(model, ...)
+    # with pipeline stages: model = model_chunks(lambda **stage: GPTModel(..., **stage))
     model, optimizer = wrap(model, lr=...)
     loss, grad_norm = train_step(model, optimizer, [(tokens_BT, labels_BT), ...])
     log_moe_metrics(model, iteration, num_microbatches, writer, wandb_writer)
     save_checkpoint(path, model, optimizer, iteration); load_checkpoint(path, model, optimizer)
 
-It uses Megatron's own DistributedDataParallel, optimizer, schedule and distributed checkpointing,
-so expert parameters go through Megatron's gradient reduction and checkpoint sharding.
+It uses Megatron's own DistributedDataParallel, optimizer, schedules (1F1B, interleaved with
+virtual stages) and distributed checkpointing, so expert parameters go through Megatron's gradient
+reduction and checkpoint sharding, and checkpoints reshard between layouts.
 """
 import os
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
