@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test test-modes aot test-megatron19 clean
+.PHONY: setup demo test test-modes aot test-megatron19 test-megatron-parallel clean
 
 # The venv sees the system site-packages so an installed torch (CPU or CUDA) is reused,
 # never replaced by a multi-GB download.
@@ -24,6 +24,11 @@ test: setup
 # Every gate and preset x train / eval x capacity x grad, compiled with Inductor against eager.
 test-modes: setup
 	FMOE_TEST_ALL_MODES=1 $(BIN)/python -m pytest -q tests/test_modes.py
+
+# fmoe in Megatron-Core at 4 and 8 gloo ranks (pipeline, virtual pipeline, tensor + sequence, expert
+# parallel) against one process and Megatron's own MoE, with checkpoint resharding; `make test` runs the 2-rank subset.
+test-megatron-parallel: setup
+	FMOE_TEST_MEGATRON_PARALLEL=1 $(BIN)/python -m pytest -q tests/test_megatron_parallel.py
 
 # Every Triton kernel compiled for sm_80 and sm_90 (no GPU needed): registers, spills, shared memory.
 aot: setup

@@ -10,6 +10,10 @@ HuggingFace's layouts.
   `<X>.experts.local_experts.<i>.linear_fc1.weight` ([F, D]; `linear_fc2` [D, F]; `--expert-layout
   grouped`: `<X>.experts.linear_fc1.weight<i>`), numbered per expert-parallel rank (`--ep-size`), and
   its gate's projection `<X>.router.weight` / `.bias` (other gate tensors: `<X>.router.fmoe_gate.*`).
+  Pipeline-sharded (`--pp-size`): `mp_rank_00_<pp rank>[_<ep rank>]`, each stage its share of the
+  `decoder.layers.<i>` numbered from 0 as Megatron-Core numbers them, the embedding on the first
+  stage, the final norm and output layer on the last. Read back, a folder with one suffix is a
+  pipeline stage when it holds all its layers' experts, an expert-parallel rank otherwise.
 - **hf**: a transformers MoE model's own folder (config.json, *.safetensors) in its family's layout.
   Read: `from_pretrained`, `fmoe.hf.convert`, the fmoe checkpoint state (every tensor must load).
   Written: the HF config's model built on the meta device, converted, filled from the checkpoint
@@ -54,7 +58,9 @@ FMOE_EXPERT = re.compile(r"^(?P<layer>.+)\.experts\.(?P<param>w1_eDF|w2_eFD|b1_e
 USER_EXPERT = re.compile(r"\.experts\.\d+\.")     # a user expert module's tensor, by global id
 MEGATRON_FILE = "model_optim_rng.pt"
 LATEST = "latest_checkpointed_iteration.txt"
-MEGATRON_RANK = re.compile(r"mp_rank_00(_(?P<ep>\d{3}))?")
+MEGATRON_RANK = re.compile(r"mp_rank_00(_(?P<a>\d{3}))?(_(?P<b>\d{3}))?")
+DECODER_LAYER = re.compile(r"^decoder\.layers\.(?P<i>\d+)\.")
+LAST_STAGE = ("decoder.final_layernorm.", "output_layer.")
 # Router tensors whose size says how many experts a Megatron MoE layer has in all: tensor -> that dimension.
 ROUTER_EXPERT_DIM = {"weight": 0, "fmoe_gate.w_gate": 1}
 HF_CONFIG = "config.json"
@@ -209,40 +215,69 @@ def megatron_layer(layer: str) -> str:
     return layer[:-len(".moe")]
 
 
-def write_megatron(ckpt: MoECheckpoint, path: str, ep_size: int = 1, layout: str = "sequential") -> int:
-    if not isinstance(ep_size, int) or ep_size < 1:
-        raise ValueError(f"--ep-size must be a positive int, got {ep_size!r}")
+def write_megatron(ckpt: MoECheckpoint, path: str, ep_size: int = 1, layout: str = "sequential",
+                   pp_size: int = 1) -> int:
+    for name, size in (("--ep-size", ep_size), ("--pp-size", pp_size)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must be a positive int, got {size!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"--expert-layout must be one of {LAYOUTS}, got {layout!r}")
-    shared = {}
+    stage_of = pipeline_stages(ckpt, pp_size)
+    shared: List[dict] = [{} for _ in range(pp_size)]
     for name, tensor in ckpt.dense.items():
         prefix, sep, rest = name.partition(".gate.")
         if sep and prefix in ckpt.experts:
             rest = {"gate.proj.weight": "weight", "gate.proj.bias": "bias"}.get(rest, f"fmoe_gate.{rest}")
             name = f"{megatron_layer(prefix)}.router.{rest}"
-        shared[name] = tensor
-    ranks: List[dict] = [dict(shared) for _ in range(ep_size)]
+        stage, name = stage_of(name)
+        shared[stage][name] = tensor
+    ranks: Dict[tuple, dict] = {(p, r): dict(shared[p]) for p in range(pp_size) for r in range(ep_size)}
     written = 0
     for layer, params in ckpt.experts.items():
         num = ckpt.num_experts(layer)
         if num % ep_size:
             raise ValueError(f"--ep-size {ep_size} must divide the {num} experts of layer {layer}")
         local = num // ep_size
+        stage, name_of_layer = stage_of(f"{megatron_layer(layer)}.")
         for param, slot in params.items():
             name, transposed = TO_MEGATRON[param]
             for g, tensor in slot.items():
                 i = g % local
-                key = (f"{megatron_layer(layer)}.experts.local_experts.{i}.{name}" if layout == "sequential"
-                       else f"{megatron_layer(layer)}.experts.{name}{i}")
-                ranks[g // local][key] = (tensor.t() if transposed else tensor).contiguous()
+                key = (f"{name_of_layer}experts.local_experts.{i}.{name}" if layout == "sequential"
+                       else f"{name_of_layer}experts.{name}{i}")
+                ranks[stage, g // local][key] = (tensor.t() if transposed else tensor).contiguous()
                 written += 1
     folder = os.path.join(path, "iter_0000000")
-    for r, state in enumerate(ranks):
-        rank_dir = os.path.join(folder, "mp_rank_00" if ep_size == 1 else f"mp_rank_00_{r:03d}")
-        save_torch(os.path.join(rank_dir, MEGATRON_FILE), {"model": state, "checkpoint_version": 3.0, "iteration": 0})
+    for (stage, r), state in ranks.items():
+        name = "mp_rank_00" + (f"_{stage:03d}" if pp_size > 1 else "") + (f"_{r:03d}" if ep_size > 1 else "")
+        save_torch(os.path.join(folder, name, MEGATRON_FILE), {"model": state, "checkpoint_version": 3.0,
+                                                               "iteration": 0})
     write_text(os.path.join(path, LATEST), "0")
     save_hf_config(ckpt, path)
     return written
+
+
+def pipeline_stages(ckpt: MoECheckpoint, pp_size: int):
+    """name -> (its pipeline stage, its name there): `decoder.layers.<i>` split evenly in order and
+    numbered from 0 on each stage, the final norm and output layer on the last stage, the rest on the first."""
+    if pp_size == 1:
+        return lambda name: (0, name)
+    layers = sorted({int(m["i"]) for m in map(DECODER_LAYER.match, list(ckpt.dense) + list(ckpt.experts)) if m})
+    if layers != list(range(len(layers))) or not layers:
+        raise ValueError(f"--pp-size {pp_size}: the checkpoint's transformer layers must be decoder.layers.0..L-1 "
+                         f"(Megatron-Core's GPT), found {layers[:8]}")
+    if len(layers) % pp_size:
+        raise ValueError(f"--pp-size {pp_size} must divide the {len(layers)} layers (decoder.layers.<i>)")
+    per_stage = len(layers) // pp_size
+
+    def stage_of(name: str):
+        match = DECODER_LAYER.match(name)
+        if match:
+            i = int(match["i"])
+            return i // per_stage, f"decoder.layers.{i % per_stage}.{name[match.end():]}"
+        return (pp_size - 1 if name.startswith(LAST_STAGE) else 0), name
+
+    return stage_of
 
 
 def megatron_iteration_folder(path: str) -> str:
@@ -258,8 +293,8 @@ def megatron_iteration_folder(path: str) -> str:
     return os.path.join(path, f"iter_{int(iteration):07d}")
 
 
-def megatron_rank_folders(folder: str) -> Dict[int, str]:
-    """Expert-parallel rank -> its folder, numbered by the folder names, which must run 0..W-1."""
+def megatron_rank_folders(folder: str) -> Dict[str, tuple]:
+    """Each rank folder -> its suffixes: (pipeline rank, expert rank), or one number (either)."""
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder}, the folder {LATEST} names, does not exist")
     names = sorted(d for d in os.listdir(folder) if d.startswith("mp_rank_"))
@@ -267,32 +302,76 @@ def megatron_rank_folders(folder: str) -> Dict[int, str]:
         raise CheckpointError(f"no mp_rank_* folders in {folder}")
     matches = {d: MEGATRON_RANK.fullmatch(d) for d in names}
     if not all(matches.values()):
-        raise ValueError(f"{folder}: {names} include tensor- or pipeline-parallel ranks; only expert-parallel "
-                         "shards (mp_rank_00[_<ep rank>]) convert")
-    if len(names) > 1 and "mp_rank_00" in names:
-        raise CheckpointError(f"{folder} mixes mp_rank_00 (no expert parallelism) with {names[1:4]}")
-    ranks = {int(m["ep"] or 0): d for d, m in matches.items()}
-    missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+        raise ValueError(f"{folder}: {names} include tensor-parallel ranks; only pipeline and expert-parallel "
+                         "shards (mp_rank_00[_<pp rank>][_<ep rank>]) convert")
+    shapes = {(m["a"] is not None) + (m["b"] is not None) for m in matches.values()}
+    if len(shapes) > 1:
+        raise CheckpointError(f"{folder} mixes rank folder names of different forms: {names[:4]}")
+    return {d: tuple(int(m[k]) for k in ("a", "b") if m[k] is not None) for d, m in matches.items()}
+
+
+def check_ranks_complete(folder: str, ranks: Dict[tuple, str], name_of):
+    """Every pipeline rank x every expert-parallel rank up to the largest seen has its folder; a missing
+    one is named (`name_of(pipeline rank, expert rank)`)."""
+    stages = range(max(r[0] for r in ranks) + 1)
+    experts = range(max(r[1] for r in ranks) + 1)
+    missing = [name_of(p, e) for p in stages for e in experts if (p, e) not in ranks]
     if missing:
-        raise CheckpointError(f"{folder}: expert-parallel rank folder(s) "
-                              f"{', '.join(f'mp_rank_00_{r:03d}' for r in missing)} missing")
-    return ranks
+        raise CheckpointError(f"{folder}: rank folder(s) {', '.join(missing[:8])} missing")
+
+
+def megatron_local_experts(state: dict) -> Dict[str, set]:
+    local = defaultdict(set)
+    for key in state:
+        match = SEQUENTIAL.match(key) or GROUPED.match(key)
+        if match:
+            local[match["layer"]].add(int(match["i"]))
+    return local
+
+
+def holds_all_experts(state: dict) -> bool:
+    """Whether every MoE layer of this rank file holds as many experts as its router routes to."""
+    local = megatron_local_experts(state)
+    for key, tensor in state.items():
+        prefix, sep, rest = key.partition(".router.")
+        if sep and rest in ROUTER_EXPERT_DIM and prefix in local:
+            if len(local[prefix]) < tensor.shape[ROUTER_EXPERT_DIM[rest]]:
+                return False
+    return True
 
 
 def read_megatron(path: str) -> MoECheckpoint:
     folder = megatron_iteration_folder(path)
-    ranks = megatron_rank_folders(folder)
-    ckpt, local_counts, num_experts = MoECheckpoint(), defaultdict(dict), {}     # layer -> {rank: local experts}
-    for ep_rank, name in sorted(ranks.items()):
+    suffixes = megatron_rank_folders(folder)
+    states = {}
+    for name in suffixes:
         where = os.path.join(folder, name, MEGATRON_FILE)
         state = checkpoints.read_torch(Path(where), "Megatron rank file").get("model")
         if not isinstance(state, dict):
             raise CheckpointError(f"Megatron rank file {where} holds no 'model' state dict")
-        local = defaultdict(set)
-        for key in state:
-            match = SEQUENTIAL.match(key) or GROUPED.match(key)
-            if match:
-                local[match["layer"]].add(int(match["i"]))
+        states[name] = state
+    one = {len(v) for v in suffixes.values()} == {1}
+    as_stages = one and len(suffixes) > 1 and all(holds_all_experts(s) for s in states.values())
+    ranks = {}      # (pipeline rank, expert rank) -> folder name
+    for name, numbers in suffixes.items():
+        key = numbers if len(numbers) == 2 else (numbers + (0,) if as_stages else (0,) + numbers) if numbers else (0, 0)
+        ranks[key] = name
+    form = next(iter(suffixes.values()))
+
+    def name_of(stage: int, ep_rank: int) -> str:
+        numbers = (stage, ep_rank) if len(form) == 2 else (stage,) if as_stages else (ep_rank,) if form else ()
+        return "mp_rank_00" + "".join(f"_{n:03d}" for n in numbers)
+
+    check_ranks_complete(folder, ranks, name_of)
+    offsets, offset = {}, 0         # each stage's first global layer: the layers of the stages before
+    for stage in sorted({r[0] for r in ranks}):
+        offsets[stage] = offset
+        offset += len({int(m["i"]) for m in map(DECODER_LAYER.match, states[ranks[stage, 0]]) if m})
+    ckpt, local_counts, num_experts = MoECheckpoint(), defaultdict(dict), {}     # layer -> {rank: local experts}
+    for (stage, ep_rank), name in sorted(ranks.items()):
+        where = os.path.join(folder, name, MEGATRON_FILE)
+        state = {renumber(k, offsets[stage]): v for k, v in states[name].items()}
+        local = megatron_local_experts(state)
         for key, tensor in state.items():
             match = SEQUENTIAL.match(key) or GROUPED.match(key)
             if match:
@@ -307,14 +386,25 @@ def read_megatron(path: str) -> MoECheckpoint:
                 rest = {"weight": "gate.proj.weight", "bias": "gate.proj.bias"}.get(rest, rest[len("fmoe_gate."):])
                 key = f"{prefix}.moe.gate.{rest}"
             if ep_rank == 0:
+                if key in ckpt.dense and not torch.equal(ckpt.dense[key], tensor):
+                    raise ValueError(f"SRC {path!r}: {key} differs between pipeline stages")
                 ckpt.dense[key] = tensor
             elif key not in ckpt.dense:
                 raise ValueError(f"SRC {path!r}: {key} is on expert-parallel rank {ep_rank} but not on rank 0")
         for layer, ids in local.items():
             local_counts[f"{layer}.moe"][ep_rank] = len(ids)
+    num_ep = len({r[1] for r in ranks})
     for layer, counts in local_counts.items():
-        check_megatron_experts(folder, layer, counts, num_experts.get(layer), len(ranks))
+        check_megatron_experts(folder, layer, counts, num_experts.get(layer), num_ep)
     return ckpt
+
+
+def renumber(key: str, offset: int) -> str:
+    """A pipeline stage's `decoder.layers.<i>` as the whole model's `decoder.layers.<offset + i>`."""
+    match = DECODER_LAYER.match(key)
+    if not match or not offset:
+        return key
+    return f"decoder.layers.{int(match['i']) + offset}.{key[match.end():]}"
 
 
 def check_megatron_experts(folder: str, layer: str, counts: Dict[int, int], num_experts: Optional[int],
@@ -421,7 +511,7 @@ def write_hf(ckpt: MoECheckpoint, path: str) -> int:
 
 
 def convert(src: str, dst: str, to: str, ep_size: int = 1, layout: str = "sequential",
-            hf_config: Optional[str] = None, overwrite: bool = False) -> dict:
+            hf_config: Optional[str] = None, overwrite: bool = False, pp_size: int = 1) -> dict:
     """Convert `src` into `dst` in the `to` layout (`hf_config`: a folder with the model's HF
     config.json, which `--to hf` needs unless SRC carries one); returns what was counted.
     SRC is read and checked whole, then DST written beside it and renamed into place: a non-empty
@@ -433,7 +523,7 @@ def convert(src: str, dst: str, to: str, ep_size: int = 1, layout: str = "sequen
     if hf_config is not None:
         ckpt.hf_config = load_hf_config(hf_config)
     count_in = ckpt.check_whole(src)
-    writers = {"megatron": lambda path: write_megatron(ckpt, path, ep_size, layout),
+    writers = {"megatron": lambda path: write_megatron(ckpt, path, ep_size, layout, pp_size),
                "fmoe": lambda path: write_fmoe(ckpt, path), "hf": lambda path: write_hf(ckpt, path)}
     with staging_folder(dst) as staging:
         written = writers[to](staging)
@@ -518,6 +608,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("dst", metavar="DST", help="the folder to write (a new or empty one, unless --overwrite)")
     p.add_argument("--to", required=True, choices=FORMATS, help="the layout to write")
     p.add_argument("--ep-size", type=int, default=1, help="Megatron: expert-parallel ranks to shard the experts over")
+    p.add_argument("--pp-size", type=int, default=1,
+                   help="Megatron: pipeline stages to split decoder.layers.<i> over (mp_rank_00_<pp rank>[_<ep rank>])")
     p.add_argument("--expert-layout", choices=LAYOUTS, default="sequential",
                    help="Megatron: SequentialMLP's local_experts.<i>.linear_fc1 or TEGroupedMLP's linear_fc1.weight<i>")
     p.add_argument("--hf-config", metavar="FOLDER", default=None,
@@ -530,7 +622,8 @@ def run(args):
     if args.to == "hf" or os.path.isfile(os.path.join(args.src, HF_CONFIG)):
         import transformers
         transformers.utils.logging.disable_progress_bar()      # the summary below says what was loaded
-    counts = convert(args.src, args.dst, args.to, args.ep_size, args.expert_layout, args.hf_config, args.overwrite)
+    counts = convert(args.src, args.dst, args.to, args.ep_size, args.expert_layout, args.hf_config, args.overwrite,
+                     args.pp_size)
     print(f"{args.dst}: {counts['expert_tensors']} expert tensors in {counts['layers']} MoE layers (as many as read) "
           f"and {counts['dense_tensors']} other tensors; {counts['not_converted']} entries not converted "
           "(optimizer states, extras, buffers HF rebuilds)")

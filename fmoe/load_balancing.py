@@ -46,7 +46,10 @@ def base_optimizer(optimizer) -> torch.optim.Optimizer:
     seen = optimizer
     for _ in range(8):
         # accelerate's AcceleratedOptimizer is an Optimizer subclass without hooks of its own: go inside.
-        inner = getattr(seen, "optimizer", None) or (getattr(seen, "chained_optimizers", None) or [None])[0]
+        # Megatron's ChainedOptimizer (dense and expert parameters) refuses `.optimizer` when it holds
+        # several; its first one steps once per step like the others.
+        chained = getattr(seen, "chained_optimizers", None)
+        inner = chained[0] if chained else getattr(seen, "optimizer", None)
         if inner is None and isinstance(seen, torch.optim.Optimizer):
             return seen
         seen = inner

@@ -1,4 +1,7 @@
-"""fmoe convert: fmoe <-> Megatron-Core checkpoints, exact round trips at EP 1, 2 and 4, nothing dropped."""
+"""fmoe convert: fmoe <-> Megatron-Core checkpoints, exact round trips at EP 1, 2 and 4 (and pipeline-sharded
+at PP 2 and 4), nothing dropped."""
+import shutil
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -92,3 +95,64 @@ def test_bad_arguments_fail_at_once(source, tmp_path):
         convert(src, str(tmp_path / "x"), "deepspeed")
     with pytest.raises(ValueError, match="neither an fmoe checkpoint"):
         convert(str(tmp_path), str(tmp_path / "x"), "fmoe")
+
+
+class GPTLike(nn.Module):
+    """Megatron-Core GPT names: embedding, decoder.layers.<i> (each with an fmoe MoE), final norm, output layer."""
+
+    def __init__(self, num_layers=4):
+        super().__init__()
+        self.embedding = nn.Embedding(16, D)
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList(Block("gelu", "naive") for _ in range(num_layers))
+        self.decoder.final_layernorm = nn.LayerNorm(D)
+        self.output_layer = nn.Linear(D, 16, bias=False)
+
+
+@pytest.fixture(scope="module")
+def gpt_source(tmp_path_factory):
+    torch.manual_seed(1)
+    model = GPTLike()
+    path = str(tmp_path_factory.mktemp("convert_pp") / "fmoe")
+    save_checkpoint(path, model, None)
+    return path, model
+
+
+@pytest.mark.parametrize("pp_size, ep_size", [(2, 1), (2, 2), (4, 2)])
+def test_round_trip_through_pipeline_sharded_megatron_is_exact(gpt_source, tmp_path, pp_size, ep_size):
+    src, model = gpt_source
+    assert main(["convert", src, str(tmp_path / "mcore"), "--to", "megatron", "--pp-size", str(pp_size),
+                 "--ep-size", str(ep_size)]) == 0
+    folder = tmp_path / "mcore" / "iter_0000000"
+    expected = [f"mp_rank_00_{p:03d}" + (f"_{e:03d}" if ep_size > 1 else "")
+                for p in range(pp_size) for e in range(ep_size)]
+    assert sorted(d.name for d in folder.iterdir()) == expected
+    per_stage = 4 // pp_size
+    last = torch.load(folder / expected[-1] / MEGATRON_FILE)["model"]
+    first = torch.load(folder / expected[0] / MEGATRON_FILE)["model"]
+    # Each stage numbers its layers from 0: the last stage's layer 0 is the model's layer 4 - per_stage.
+    g = 4 - per_stage
+    assert torch.equal(last["decoder.layers.0.norm.weight"],
+                       model.decoder.layers[g].norm.weight.detach())
+    assert torch.equal(last["decoder.layers.0.router.weight"],
+                       model.decoder.layers[g].moe.gate.gate.proj.weight.detach())
+    assert not any(k.startswith(f"decoder.layers.{per_stage}.") for k in last)
+    assert "embedding.weight" in first and "embedding.weight" not in last
+    assert "output_layer.weight" in last and "decoder.final_layernorm.weight" in last
+    assert pp_size == 1 or "output_layer.weight" not in first
+    convert(str(tmp_path / "mcore"), str(tmp_path / "back"), "fmoe")
+    before, after = model_tensors(src), model_tensors(str(tmp_path / "back"))
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+def test_pipeline_sharding_that_cannot_work_fails_at_once(gpt_source, source, tmp_path):
+    with pytest.raises(ValueError, match="--pp-size 3 must divide the 4 layers"):
+        convert(gpt_source[0], str(tmp_path / "x"), "megatron", pp_size=3)
+    with pytest.raises(ValueError, match="must be decoder.layers.0..L-1"):
+        convert(source[0], str(tmp_path / "x"), "megatron", pp_size=2)
+    convert(gpt_source[0], str(tmp_path / "mcore"), "megatron", ep_size=2, pp_size=2)
+    shutil.rmtree(tmp_path / "mcore" / "iter_0000000" / "mp_rank_00_001_000")
+    with pytest.raises(Exception, match="mp_rank_00_001_000 missing"):
+        convert(str(tmp_path / "mcore"), str(tmp_path / "back"), "fmoe")

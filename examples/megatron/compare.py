@@ -1,9 +1,10 @@
 """The same GPT with Megatron-Core's own MoE and with fmoe's, side by side in one run.
 
-Both: the same experts (count, top-k, width, GELU, no biases), the same router semantics (softmax
-top-k renormalised, no capacity, a Switch-style balance loss), the same initial weights (copied
-from Megatron's model into fmoe's) and the same batches; Megatron's MoE uses its alltoall
-dispatcher. Steps alternate between the two models so both see the same machine load.
+Both: the same experts (count, top-k, width, GELU, no biases), the same router (fmoe's
+gate="megatron" routes as the config's TopKRouter: softmax over the top-k logits, no capacity,
+Megatron's aux_loss), the same initial weights (copied from Megatron's model into fmoe's) and the
+same batches; Megatron's MoE uses its alltoall dispatcher. Steps alternate between the two models
+so both see the same machine load.
 
     torchrun --nproc-per-node 2 examples/megatron/compare.py --expert-parallel-size 2
 writes benchmarks/results/megatron-compare-cpu.json (on a GPU: megatron-compare-gpu.json).
@@ -28,8 +29,8 @@ from fmoe.megatron import get_gpt_layer_with_fmoe_spec, training
 from pretrain_gpt_moe import VOCAB_SIZE, add_model_args, gpt_config, load_bytes, microbatches
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-# fmoe's GShard gate without its capacity and random second expert routes like Megatron's default router.
-FMOE_GATE = dict(gate="gshard", gate_kwargs={"random_routing": False, "capacity": None})
+# fmoe's RouterGate with the options of Megatron's TopKRouter in the config (fmoe.megatron.router).
+FMOE_GATE = dict(gate="megatron")
 
 
 def parse_args(argv=None):
@@ -118,7 +119,7 @@ def main(argv=None):
             entry["final_loss"] = entry["loss"][-1]
             summary[name] = entry
         summary["megatron"]["experts"] = f"{expert_impl}, alltoall dispatcher"
-        summary["fmoe"]["experts"] = "fmoe GroupedExperts (grouped GEMM), gshard gate without capacity"
+        summary["fmoe"]["experts"] = "fmoe GroupedExperts (grouped GEMM), gate=\"megatron\""
         result = {
             "config": {k: v for k, v in vars(args).items() if k != "out"},
             "world_size": dist.get_world_size(),

@@ -2,6 +2,9 @@
 
 CPU (gloo), 2 processes, expert parallel size 2:
     torchrun --nproc-per-node 2 examples/megatron/pretrain_gpt_moe.py --expert-parallel-size 2 --steps 50
+CPU, 4 processes, 2 pipeline stages of 2 virtual stages each, expert parallel 2 (data parallel 2):
+    torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt_moe.py --pipeline-parallel-size 2 \
+        --virtual-pipeline-parallel-size 2 --expert-parallel-size 2 --num-layers 4 --num-microbatches 4
 GPU (NCCL), 8 GPUs, tensor parallel 2, expert parallel 4 (data parallel = 8 / 2 = 4):
     torchrun --nproc-per-node 8 examples/megatron/pretrain_gpt_moe.py --tensor-parallel-size 2 \\
         --expert-parallel-size 4 --hidden-size 1024 --num-layers 12 --num-attention-heads 16 --num-experts 16
@@ -32,9 +35,13 @@ VOCAB_SIZE = 256    # bytes
 
 def add_model_args(p: argparse.ArgumentParser):
     """Parallel sizes, the model and its data: what pretraining and compare.py share."""
-    g = p.add_argument_group("parallelism (data parallel size = world size / tensor parallel size)")
+    g = p.add_argument_group("parallelism (data parallel size = world size / (tensor x pipeline x context))")
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.add_argument("--expert-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", type=int, default=1)
+    g.add_argument("--virtual-pipeline-parallel-size", type=int, default=None,
+                   help="model chunks per pipeline rank (interleaved 1F1B schedule)")
+    g.add_argument("--context-parallel-size", type=int, default=1)
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
@@ -74,26 +81,28 @@ def gpt_config(args, dense: bool = False, **overrides) -> TransformerConfig:
     """The GPT's TransformerConfig; `dense` leaves the MoE fields for fmoefy() to set."""
     moe = {} if dense else dict(num_moe_experts=args.num_experts, moe_router_topk=args.top_k,
                                 moe_ffn_hidden_size=args.ffn_hidden_size, moe_aux_loss_coeff=args.aux_loss_coeff,
-                                expert_model_parallel_size=args.expert_parallel_size,
                                 # Megatron checks this for its own top-1 router; fmoe's gates ignore it.
                                 moe_router_pre_softmax=args.top_k == 1)
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size, tensor_model_parallel_size=args.tensor_parallel_size,
-        sequence_parallel=args.tensor_parallel_size > 1, expert_tensor_parallel_size=1, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=not torch.cuda.is_available(),
-        pipeline_dtype=torch.float32, **moe, **overrides)
+        ffn_hidden_size=args.ffn_hidden_size, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=not torch.cuda.is_available(), **training.parallel_config(), **moe, **overrides)
 
 
-def build_model(args) -> GPTModel:
+def build_model(args) -> list:
+    """This rank's model chunks (one per virtual pipeline stage; one without them)."""
     config = gpt_config(args, dense=args.fmoefy, moe_per_layer_logging=args.tensorboard is not None)
-    if args.fmoefy:
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB_SIZE,
-                         max_sequence_length=args.seq_len)
-        return fmoefy(model, num_experts=args.num_experts, top_k=args.top_k, gate=args.gate,
-                      aux_loss_coeff=args.aux_loss_coeff)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_with_fmoe_spec(gate=args.gate),
-                    vocab_size=VOCAB_SIZE, max_sequence_length=args.seq_len)
+
+    def chunk(**stage) -> GPTModel:
+        if args.fmoefy:
+            model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                             vocab_size=VOCAB_SIZE, max_sequence_length=args.seq_len, **stage)
+            return fmoefy(model, num_experts=args.num_experts, top_k=args.top_k, gate=args.gate,
+                          aux_loss_coeff=args.aux_loss_coeff)
+        return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_with_fmoe_spec(gate=args.gate),
+                        vocab_size=VOCAB_SIZE, max_sequence_length=args.seq_len, **stage)
+
+    return training.model_chunks(chunk)
 
 
 def load_bytes(args) -> torch.Tensor:
@@ -120,14 +129,20 @@ def microbatches(bytes_N: torch.Tensor, args, step: int):
 
 def main(argv=None):
     args = parse_args(argv)
-    training.initialize(args.tensor_parallel_size, args.expert_parallel_size, seed=args.seed)
+    training.initialize(args.tensor_parallel_size, args.expert_parallel_size, seed=args.seed,
+                        pipeline_parallel_size=args.pipeline_parallel_size,
+                        virtual_pipeline_parallel_size=args.virtual_pipeline_parallel_size,
+                        context_parallel_size=args.context_parallel_size, num_layers=args.num_layers,
+                        num_experts=args.num_experts)
     rank = dist.get_rank()
     model, optimizer = training.wrap(build_model(args), lr=args.lr)
     start = training.load_checkpoint(args.load, model, optimizer) if args.load else 0
     bytes_N = load_bytes(args)
     if rank == 0:
-        print(f"world {dist.get_world_size()}: tensor parallel {args.tensor_parallel_size}, expert parallel "
-              f"{args.expert_parallel_size}, data parallel {parallel_state.get_data_parallel_world_size()}; "
+        print(f"world {dist.get_world_size()}: tensor parallel {args.tensor_parallel_size}, pipeline parallel "
+              f"{args.pipeline_parallel_size} (virtual {args.virtual_pipeline_parallel_size or 1}), context parallel "
+              f"{args.context_parallel_size}, expert parallel {args.expert_parallel_size}, data parallel "
+              f"{parallel_state.get_data_parallel_world_size()}; "
               f"{args.num_experts} experts, top-{args.top_k}, {args.gate} gate; from step {start}", flush=True)
     log = {"step": [], "loss": []}
     writer = None

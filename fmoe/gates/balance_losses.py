@@ -9,11 +9,19 @@
               f_e the fraction of top-k slots on e counted over the whole global batch (every
               data-parallel rank, every micro-batch of the step so far) and P_e this rank's mean s'
 
+With a `partition` (a process group whose ranks each hold a part of the same tokens: Megatron's
+tensor-parallel ranks under sequence parallelism), the counts are summed over it and every mean
+is over all its tokens, so the losses of its ranks add up to the loss of the whole batch (the
+ranks' router gradients are summed, as Megatron-Core's own losses are under sequence parallelism).
+
 s' are the normalised scores Megatron-Core uses for its losses: softmax(logits) for a softmax
 router, sigmoid(logits) divided by their sum over the experts for a sigmoid one; "chosen" for
 the sequence and global losses is the top-k of s' (no selection bias, no group limit).
 """
+from typing import Optional
+
 import torch
+import torch.distributed as dist
 
 from fmoe.gates.capacity import count_per_expert
 
@@ -27,26 +35,39 @@ def normalised_scores(logits_TE: torch.Tensor, score: str) -> torch.Tensor:
     return scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
 
 
-def switch_loss(logits_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+def summed_over(partition: Optional[dist.ProcessGroup], counts: torch.Tensor, num_tokens: int):
+    """(counts, num_tokens) summed over the ranks of `partition` (unchanged without one)."""
+    if partition is None or dist.get_world_size(partition) == 1:
+        return counts, num_tokens
+    both = torch.cat([counts.detach().reshape(-1).to(torch.float64),
+                      torch.tensor([num_tokens], dtype=torch.float64, device=counts.device)])
+    dist.all_reduce(both, group=partition)
+    return both[:-1].view(counts.shape).to(counts.dtype), int(both[-1].item())
+
+
+def switch_loss(logits_TE: torch.Tensor, top_k: int, partition: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     T, E = logits_TE.shape
-    if T == 0:
-        return logits_TE.sum() * 0.0
     probs_TE = torch.softmax(logits_TE, dim=-1)
     tokens_E = count_per_expert(torch.topk(probs_TE, top_k, dim=-1).indices, E).to(probs_TE.dtype)
-    return E * torch.sum(tokens_E / T * probs_TE.mean(0))
+    tokens_E, T = summed_over(partition, tokens_E, T)
+    if T == 0:
+        return logits_TE.sum() * 0.0
+    return E * torch.sum(tokens_E / T * probs_TE.sum(0) / T)
 
 
-def sequence_loss(scores_SBE: torch.Tensor, top_k: int) -> torch.Tensor:
-    """`scores_SBE`: normalised scores of B sequences of S tokens, laid [S, B, E]."""
+def sequence_loss(scores_SBE: torch.Tensor, top_k: int, partition: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """`scores_SBE`: normalised scores of B sequences of S tokens, laid [S, B, E] (with a `partition`,
+    each rank's S tokens of the same B sequences)."""
     S, B, E = scores_SBE.shape
-    if S * B == 0:
-        return scores_SBE.sum() * 0.0
     chosen_SBK = torch.topk(scores_SBE.detach(), top_k, dim=-1).indices
     tokens_BE = torch.zeros(B, E, dtype=scores_SBE.dtype, device=scores_SBE.device).scatter_add_(
         1, chosen_SBK.permute(1, 0, 2).reshape(B, S * top_k), torch.ones((B, S * top_k), dtype=scores_SBE.dtype,
                                                                        device=scores_SBE.device))
+    tokens_BE, S = summed_over(partition, tokens_BE, S)
+    if S * B == 0:
+        return scores_SBE.sum() * 0.0
     f_BE = tokens_BE * (E / (top_k * S))
-    P_BE = scores_SBE.mean(0)
+    P_BE = scores_SBE.sum(0) / S
     return (f_BE * P_BE).sum(-1).mean()
 
 
@@ -55,10 +76,12 @@ def chosen_counts(scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
     return count_per_expert(torch.topk(scores_TE.detach(), top_k, dim=-1).indices, scores_TE.shape[-1])
 
 
-def global_loss(scores_TE: torch.Tensor, fraction_E: torch.Tensor) -> torch.Tensor:
+def global_loss(scores_TE: torch.Tensor, fraction_E: torch.Tensor,
+                partition: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """E * sum_e fraction_E[e] * mean_t scores_TE[t, e], `fraction_E` (slots on e / all slots of the
     global batch) a constant."""
     T, E = scores_TE.shape
-    if T == 0:
+    _, T_all = summed_over(partition, scores_TE.new_zeros(0), T)
+    if T_all == 0:
         return scores_TE.sum() * 0.0
-    return E * torch.sum(fraction_E.to(scores_TE.dtype) * scores_TE.mean(0))
+    return E * torch.sum(fraction_E.to(scores_TE.dtype) * scores_TE.sum(0) / T_all)

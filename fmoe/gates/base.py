@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fmoe.autocast import autocast_off
+from fmoe.gates.balance_losses import summed_over
 from fmoe.gates.capacity import drop_over_capacity, expert_capacity
 
 CapacityArg = Optional[Union[float, Tuple[float, float]]]
@@ -102,12 +103,14 @@ def routing_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    """Router z-loss (ST-MoE): mean squared log-partition of the router logits."""
+def z_loss(logits_TE: torch.Tensor, partition=None) -> torch.Tensor:
+    """Router z-loss (ST-MoE): mean squared log-partition of the router logits (the mean over the
+    tokens of all ranks of a `partition`, see `balance_losses`)."""
     logits_TE = logits_TE.to(routing_dtype(logits_TE.dtype))
-    if logits_TE.shape[0] == 0:
+    _, T = summed_over(partition, logits_TE.new_zeros(0), logits_TE.shape[0])
+    if T == 0:
         return logits_TE.sum() * 0.0
-    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+    return torch.logsumexp(logits_TE, dim=-1).square().sum() / T
 
 
 def keep_at_least_fp32(fn):
@@ -139,6 +142,9 @@ class BaseGate(nn.Module):
     keeps_fp32 = False       # fmoe's own gates keep their parameters at least fp32
     drop_by = "score"        # capacity keeps each expert's best slots; "order" keeps the first ones
     unroute_before_capacity = False
+    # Ranks holding parts of the same tokens (Megatron's sequence-parallel tensor ranks): the balance
+    # losses and the z-loss count over all their tokens; set by fmoe.megatron.MegatronMLP.
+    token_partition = None
 
     def __init__(self, *args, **kwargs):
         super().__init__()
@@ -203,7 +209,7 @@ class BaseGate(nn.Module):
         expert_idx_TK, weight_TK, score_TK, logits_TE, aux = self.route(x_TD)
         self.last_logits_TE = logits_TE
         if self.z_loss_coef:
-            aux = aux + self.z_loss_coef * z_loss(logits_TE)
+            aux = aux + self.z_loss_coef * z_loss(logits_TE, self.token_partition)
         num_dropped = torch.zeros((), dtype=torch.long, device=x_TD.device)
         if self.unroute_before_capacity:
             expert_idx_TK, weight_TK, num_unrouted = self.unroute(expert_idx_TK, weight_TK)

@@ -8,21 +8,23 @@ slots), `random_routing_first=True` (skipped slots take no capacity).
 """
 import torch
 
+from fmoe.gates.balance_losses import summed_over
 from fmoe.gates.base import check_bool, check_choice
 from fmoe.gates.capacity import CAPACITY_FORMULAS, count_per_expert
 from fmoe.gates.router import RouterGate
 
 
-def balance_loss(probs_TE: torch.Tensor, top1_E_T: torch.Tensor) -> torch.Tensor:
-    """E * sum_e(fraction of tokens whose first choice is e * mean router probability of e).
+def balance_loss(probs_TE: torch.Tensor, top1_E_T: torch.Tensor, partition=None) -> torch.Tensor:
+    """E * sum_e(fraction of tokens whose first choice is e * mean router probability of e), over the
+    tokens of all ranks of a `partition` (see `balance_losses`).
 
     Equals 1 when routing is uniform; GShard's l_aux and Switch's balance loss alike.
     """
     T, E = probs_TE.shape
+    counts_E, T = summed_over(partition, count_per_expert(top1_E_T, E).to(probs_TE.dtype), T)
     if T == 0:
         return probs_TE.sum() * 0.0
-    fraction_E = count_per_expert(top1_E_T, E).to(probs_TE.dtype) / T
-    return E * torch.sum(fraction_E * probs_TE.mean(0))
+    return E * torch.sum(counts_E / T * probs_TE.sum(0) / T)
 
 
 class GShardGate(RouterGate):
@@ -44,7 +46,7 @@ class GShardGate(RouterGate):
 
     def route(self, x_TD):
         expert_idx_TK, weight_TK, score_TK, logits_TE, aux = super().route(x_TD)
-        aux = aux + balance_loss(torch.softmax(logits_TE, dim=-1), expert_idx_TK[:, 0])
+        aux = aux + balance_loss(torch.softmax(logits_TE, dim=-1), expert_idx_TK[:, 0], self.token_partition)
         return expert_idx_TK, weight_TK, score_TK, logits_TE, aux
 
     def expert_capacity(self, factor, num_tokens):

@@ -190,13 +190,15 @@ class RouterGate(BaseGate):
         """The sum of the chosen `aux_loss` terms, each times its coefficient."""
         aux = logits_TE.new_zeros(())
         if "switch" in self.aux_losses:
-            aux = aux + self.aux_losses["switch"] * switch_loss(logits_TE, self.top_k)
+            aux = aux + self.aux_losses["switch"] * switch_loss(logits_TE, self.top_k, self.token_partition)
         if "sequence" in self.aux_losses or "global" in self.aux_losses:
             scores_TE = normalised_scores(logits_TE, self.score)
             if "sequence" in self.aux_losses:
-                aux = aux + self.aux_losses["sequence"] * sequence_loss(self.by_sequence(scores_TE), self.top_k)
+                aux = aux + self.aux_losses["sequence"] * sequence_loss(self.by_sequence(scores_TE), self.top_k,
+                                                                                self.token_partition)
             if "global" in self.aux_losses:
-                aux = aux + self.aux_losses["global"] * global_loss(scores_TE, self.global_fraction(scores_TE))
+                aux = aux + self.aux_losses["global"] * global_loss(scores_TE, self.global_fraction(scores_TE),
+                                                                            self.token_partition)
         return aux
 
     def by_sequence(self, scores_TE):

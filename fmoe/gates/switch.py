@@ -38,5 +38,5 @@ class SwitchGate(RouterGate):
 
     def route(self, x_TD):
         expert_idx_TK, weight_TK, score_TK, logits_TE, aux = super().route(x_TD)
-        aux = aux + balance_loss(torch.softmax(logits_TE, dim=-1), expert_idx_TK[:, 0])
+        aux = aux + balance_loss(torch.softmax(logits_TE, dim=-1), expert_idx_TK[:, 0], self.token_partition)
         return expert_idx_TK, weight_TK, score_TK, logits_TE, aux

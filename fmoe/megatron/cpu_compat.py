@@ -20,13 +20,16 @@ and does nothing where CUDA is available:
   LayerNorm that stands in for apex's; built with it, the norm's parameters are tagged
   `sequence_parallel` as apex's are, so Megatron sums their gradients over tensor-parallel ranks.
 - Checkpoint saving keeps its result queue in a spawned manager process, which re-imports the
-  training script (seconds on a CPU); a fork-context queue serves the synchronous saves.
+  training script (seconds on a CPU). The synchronous saves put their results in that queue and
+  read them back in the same process, so an in-process `queue.Queue` serves them (a
+  multiprocessing queue's `put` returns before its feeder thread delivers, and the
+  `get_nowait` right after it failed now and then with "results_queue should not be empty").
 
 Not adapted: activation recomputation, CUDA graphs, fused kernels and the distributed
 optimizer's overlapped communication.
 """
 import contextlib
-import multiprocessing
+import queue
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -141,7 +144,7 @@ def _patch_checkpoint_queue():
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+        filesystem_async._results_queue = queue.Queue()
 
 
 def apply() -> bool:

@@ -12,8 +12,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from torch import nn
 
-from fmoe.layer import FMoE
+from fmoe.gates.base import z_loss
 from fmoe.gates.load_state import in_recompute
+from fmoe.layer import FMoE
+from fmoe.megatron.router import megatron_router_options
 
 
 def require_parallel_state(who: str):
@@ -43,7 +45,9 @@ class MegatronMLP(MegatronModule):
     balance loss). The experts are spread over Megatron's expert-parallel group (`parallel_state`)
     and tagged `allreduce = False`, which is how Megatron's DDP and optimizer recognise expert
     parameters. The gate's balance loss times `aux_loss_coeff` reaches the training loss through
-    Megatron's MoEAuxLossAutoScaler, as its own router's does. `shadow` (True or a ShadowPolicy)
+    Megatron's MoEAuxLossAutoScaler, as its own router's does. `gate="megatron"` routes as the
+    config's TopKRouter would (`fmoe.megatron.router`: score function, pre-softmax, groups,
+    scaling, expert bias, balance losses and their coefficients, z-loss). `shadow` (True or a ShadowPolicy)
     turns on FasterMoE's shadowing of hot experts over the expert-parallel group, as on FMoE;
     `recompute` chooses what the experts keep for backward, as on FMoE.
     Built on the GPU when there is one.
@@ -73,6 +77,11 @@ class MegatronMLP(MegatronModule):
         if parallel_state.get_expert_tensor_parallel_world_size() != 1:
             raise ValueError("fmoe's experts are whole on each rank: initialise Megatron's parallel state with "
                              "expert_tensor_parallel_size=1")
+        if gate == "megatron":
+            options = megatron_router_options(config)
+            gate, gate_kwargs = options["gate"], {**options["gate_kwargs"], **(gate_kwargs or {})}
+            if aux_loss_coeff is None:
+                aux_loss_coeff = options["aux_loss_coeff"]
         if aux_loss_coeff is None:
             aux_loss_coeff = config.moe_aux_loss_coeff
         if aux_loss_coeff < 0:
@@ -97,6 +106,13 @@ class MegatronMLP(MegatronModule):
         self.moe.sequence_first = True      # Megatron's hidden states are [s, b, h]: aux_loss="sequence" reads them so
         if config.perform_initialization:
             self.init_like_megatron()
+        if getattr(self.moe.gate, "balance_group", None) == "world":
+            # The gate's replicas (whose loads a balancing bias or a global-batch loss sums) are the
+            # ranks of this pipeline stage: its tensor x data x context parallel ranks.
+            self.moe.gate.balance_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        if self.tp_size > 1 and config.sequence_parallel:
+            # Each tensor-parallel rank routes its part of the sequence: the losses count over all parts.
+            self.moe.gate.token_partition = parallel_state.get_tensor_model_parallel_group()
         for p in self.moe.experts.parameters():
             p.allreduce = False
         for p in self.moe.gate.parameters():
@@ -141,7 +157,7 @@ class MegatronMLP(MegatronModule):
             num_tokens = keep_SB.sum()
         aux = self.moe.aux_loss
         if self.training and torch.is_grad_enabled() and self.aux_loss_coeff and aux is not None and aux.requires_grad:
-            save_to_aux_losses_tracker("load_balancing_loss", aux, self.layer_number, self.config.num_layers)
+            self.track_losses(aux.detach())
             scaled = self.aux_loss_coeff * aux
             if self.config.calculate_per_token_loss:
                 # The main loss is then a sum over tokens, divided by the global token count later.
@@ -151,11 +167,33 @@ class MegatronMLP(MegatronModule):
             self.track_routing_stats()
         return output, None
 
+    def track_losses(self, aux: torch.Tensor):
+        """This forward's gate losses in Megatron's MoE tracker: `z_loss` (the router z-loss, without its
+        coefficient, as Megatron logs it) and `load_balancing_loss` (the balance losses, each times its
+        coefficient). As Megatron's router logs them: the parts of a sequence-parallel partition add up,
+        then the average over data-parallel ranks (and the pipeline stages' layers gathered)."""
+        gate = self.moe.gate
+        partition = parallel_state.get_tensor_and_context_parallel_group()
+        balance = aux
+        if getattr(gate, "z_loss_coef", 0.0) and gate.last_logits_TE is not None:
+            z = z_loss(gate.last_logits_TE.detach(), gate.token_partition)
+            save_to_aux_losses_tracker("z_loss", z, self.layer_number, self.config.num_layers, reduce_group=partition)
+            balance = balance - gate.z_loss_coef * z
+        save_to_aux_losses_tracker("load_balancing_loss", balance, self.layer_number, self.config.num_layers,
+                                   reduce_group=partition)
+
     def track_routing_stats(self):
         """This forward's routing statistics, each a `routing_<statistic>` in Megatron-Core's tracker,
         where they add up over the micro-batches of a step on the device; logged, each rank's value
-        is averaged over the data-parallel ranks. (tokens_per_expert, a vector, stays on the layer:
-        `fmoe.routing_stats(model, over="world")` sums it over all ranks.)"""
+        is averaged over the data-parallel ranks. The slots routed to each expert e go in as
+        `tokens_per_expert_<e>` (one tracker entry, so one all-reduce when logged, per expert),
+        summed over a sequence-parallel partition's parts: logged, the tokens a micro-batch of one
+        data-parallel rank sends each expert, averaged over the step's micro-batches and the
+        data-parallel ranks."""
+        partition = parallel_state.get_tensor_and_context_parallel_group()
+        for e, count in enumerate(self.moe.routing_stats["tokens_per_expert"].float()):
+            save_to_aux_losses_tracker(f"tokens_per_expert_{e}", count, self.layer_number, self.config.num_layers,
+                                       reduce_group=partition)
         for key, value in self.moe.routing_stats.items():
             if key != "tokens_per_expert":
                 # reduce_group_has_dp: megatron-core >= 0.19 would average over the same ranks again.
