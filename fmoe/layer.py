@@ -9,8 +9,9 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fmoe import kernels
 from fmoe.autocast import autocast_dtype
-from fmoe.distributed import exchange
+from fmoe.distributed import dedup, exchange
 from fmoe.distributed.check import check_expert_parallel_config
+from fmoe.distributed.exchange import Traffic, ranks_per_node_of
 from fmoe.distributed.schedule import group_size_from_env, schedule_enabled_by_env, scheduled_experts
 from fmoe.distributed.shadow import BufferPool, ShadowPull, make_shadow_policy
 from fmoe.distributed.slicing import gather_rows, slice_rows
@@ -19,6 +20,7 @@ from fmoe.experts import GroupedExperts, ModuleListExperts, check_recompute
 from fmoe.fastmoe_state import rename_router, stack_experts
 from fmoe.gates import BaseGate, NaiveGate, make_gate
 from fmoe.gates.base import accepts_keyword, routing_from_fastmoe_gate
+from fmoe.gates.load_state import in_recompute
 from fmoe.routing import RoutingPlan
 from fmoe.stats import RoutingTally
 
@@ -98,7 +100,8 @@ class FMoE(nn.Module):
                  moe_group=None, top_k=2, gate=NaiveGate, expert=None, gate_hook=None, mask=None, mask_dict=None,
                  gate_bias=True, d_hidden=None, activation="gelu", expert_bias=True, gate_kwargs=None,
                  backend: Optional[str] = None, shadow=None, schedule=None, schedule_group_size=None,
-                 shared_expert=None, shared_expert_gate=False, fp32_combine=False, recompute="activation"):
+                 shared_expert=None, shared_expert_gate=False, fp32_combine=False, recompute="activation",
+                 exchange="slot", ranks_per_node=None):
         super().__init__()
         self.recompute = check_recompute(recompute)
         positive_int("d_model", d_model)
@@ -155,6 +158,13 @@ class FMoE(nn.Module):
                                                 else group_size_from_env())
         self.shadow_policy = make_shadow_policy(shadow, d_model, self.experts, num_expert, self.world_size)
         self.shadow_buffers = BufferPool()     # shadowing's flat buffers, kept from step to step
+        self.exchange = dedup.check_exchange(exchange)
+        if self.exchange != "slot" and self.schedule:
+            raise ValueError(f"exchange={exchange!r} does not run under the smart schedule (schedule=True or "
+                             "FMOE_FASTER_SCHEDULE_ENABLE=1), whose pipeline moves one row per slot: "
+                             "pass exchange='slot'")
+        self.ranks_per_node = ranks_per_node_of(self.world_size, ranks_per_node)
+        self.traffic = None if self.world_size == 1 else Traffic(self.moe_rank, self.ranks_per_node)
         self.gate_hook = gate_hook
         self.aux_loss = None
         self.last_counts_E = None
@@ -265,9 +275,16 @@ class FMoE(nn.Module):
         expert_idx_TK = routing.expert_idx_TK
         if self.mask_dict is not None:
             expert_idx_TK = expert_idx_TK.masked_fill(self.token_mask(x_TD[0])[:, None] != 0, -1)
+        if self.traffic is not None and not in_recompute():
+            self.traffic.reset()
         plan = RoutingPlan.build(expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
-                                 self.shadow_policy)
-        if self.runs_lean(moe_inp, plan):
+                                 self.shadow_policy, exchange=self.exchange, ranks_per_node=self.ranks_per_node,
+                                 traffic=self.traffic)
+        if plan.dedup is not None:
+            y = self.dedup_experts(inp if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_TD, spec), plan,
+                                   routing.weight_TK)
+            y_TD, out_spec = tree_flatten(y)
+        elif self.runs_lean(moe_inp, plan):
             y_TD, out_spec = [self.lean_experts(x_TD[0], plan, routing.weight_TK)], None
         else:
             x_ND = [kernels.permute(t, plan, self.backend) for t in x_TD]
@@ -334,9 +351,47 @@ class FMoE(nn.Module):
         else:
             # The permuted rows only travel; the received ones are the experts' input, kept once.
             x_RD = exchange.dispatch(kernels.permute(x_TD, plan, self.backend), plan)
-            weight_R = exchange.dispatch(weight_N[:, None], plan)[:, 0]
+            weight_R = exchange.dispatch(weight_N[:, None], plan, "routing")[:, 0]
             y_ND = exchange.combine(self.experts.weighted(x_RD, plan.local_counts_e, weight_R), plan)
         return kernels.sum_rows(y_ND, plan, self.backend).to(autocast_dtype(x_TD) or x_TD.dtype)
+
+    def weighted_experts(self, x_TD, plan: RoutingPlan, weight_TK, run=None):
+        """sum over k of weight_TK[t, k] * expert(x_TD[t]) for the experts of a one-rank `plan`,
+        run by `run(x_ND, counts_e)` (default: `expert_fn`, lean where it can be)."""
+        if run is None and self.runs_lean(x_TD, plan):
+            return self.lean_experts(x_TD, plan, weight_TK)
+        x_ND = tree_map(lambda t: kernels.permute(t, plan, self.backend), x_TD)
+        y_ND = (run or self.expert_fn)(x_ND, plan.counts_E)
+        if isinstance(y_ND, torch.Tensor):
+            self.check_expert_output(y_ND)
+        return tree_map(lambda t: kernels.unpermute(t, plan, weight_TK, self.backend), y_ND)
+
+    def dedup_experts(self, x_TD, plan: RoutingPlan, weight_TK):
+        """The routed experts' weighted sum per token over the rank or node exchange
+        (`fmoe.distributed.dedup`), plus the shadowed experts', computed at home."""
+        if self.shadow_policy is not None and (not isinstance(x_TD, torch.Tensor)
+                                               or type(self).expert_fn is not FMoE.expert_fn):
+            raise ValueError("shadow needs a single input tensor and the default expert_fn")
+        # The pull starts first, so it travels while the other rows are dispatched and computed.
+        pull = None if plan.shadow is None else ShadowPull(self.experts, plan.shadow, self.num_expert,
+                                                           self.moe_group, self.shadow_policy.overlap, fold=True,
+                                                           pool=self.shadow_buffers)
+        run_here = None if pull is None else pull.run_local
+        y_TD = dedup.run_hop(plan.dedup, x_TD, weight_TK,
+                             lambda x_QD, local, w_QK: self.weighted_experts(x_QD, local, w_QK, run_here),
+                             self.backend)
+        if pull is None:
+            return y_TD
+        return y_TD + self.weighted_experts(x_TD, plan.home, weight_TK, lambda x_SD, counts_S: pull.forward(x_SD))
+
+    @property
+    def traffic_bytes(self) -> dict:
+        """Bytes this rank sent to other ranks in the last forward and its backward (so far):
+        `[kind][pass][locality]`, kind "dispatch" (token rows out), "combine" (expert outputs
+        back) or "routing" (counts, expert ids, routing weights), pass "forward" / "backward",
+        locality "intra_node" / "inter_node" (nodes of `ranks_per_node` ranks). {} on one rank."""
+        return {} if self.traffic is None else {k: {p: dict(by_loc) for p, by_loc in by_pass.items()}
+                                                for k, by_pass in self.traffic.bytes.items()}
 
     def run_experts(self, x_ND, plan: RoutingPlan):
         """Rows in expert order -> expert outputs in the same order, wherever the experts live."""

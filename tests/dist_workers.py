@@ -51,9 +51,9 @@ def layer_cases(rank, world):
     ]
 
 
-def check_layer_matches_single_process(rank, world):
+def check_layer_matches_single_process(rank, world, exchange="slot", ranks_per_node=None):
     for gate, top_k, e, tokens, bias in layer_cases(rank, world):
-        full, ep = build_pair(gate, top_k, e, world, rank, bias)
+        full, ep = build_pair(gate, top_k, e, world, rank, bias, exchange=exchange, ranks_per_node=ranks_per_node)
         g = torch.Generator().manual_seed(42)
         x_all = torch.randn(sum(tokens), D, generator=g)
         probe = torch.randn(sum(tokens), D, generator=g)
@@ -64,7 +64,7 @@ def check_layer_matches_single_process(rank, world):
         x = x_all.detach()[lo:hi].clone().requires_grad_(True)
         out = ep(x)
         (out * probe[lo:hi]).sum().backward()
-        ctx = f"{gate} top{top_k} e{e} tokens{tokens} rank{rank}"
+        ctx = f"{exchange} exchange: {gate} top{top_k} e{e} tokens{tokens} rank{rank}"
         torch.testing.assert_close(out, out_all[lo:hi], atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} out: {m}")
         torch.testing.assert_close(x.grad, x_all.grad[lo:hi], atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} dx: {m}")
         for name, p in ep.experts.named_parameters():

@@ -1,0 +1,134 @@
+"""Worker bodies for the exchanges (one row per slot, per rank, per node): the bytes each rank
+sends against formulas computed from the global routing, and shadowing on the deduplicated ones."""
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+import fmoe
+from tests.shadow_workers import FixedShadow, TinyExpert, build, compare_variants
+
+D, H = 8, 16
+
+
+@contextlib.contextmanager
+def counted_rows(width: int):
+    """Bytes this rank sends to other ranks through all_to_all_single in tensors of `width`
+    columns (the token rows and the expert outputs and their gradients), counted at
+    torch.distributed, apart from the layer's own counter."""
+    sent = {"bytes": 0}
+    real = dist.all_to_all_single
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        if input.dim() == 2 and input.shape[1] == width:
+            me, world = dist.get_rank(group), dist.get_world_size(group)
+            splits = input_split_sizes or [input.shape[0] // world] * world
+            sent["bytes"] += sum(n for w, n in enumerate(splits) if w != me) * width * input.element_size()
+        return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = counting
+    try:
+        yield sent
+    finally:
+        dist.all_to_all_single = real
+
+
+def gather_routing(idx_TK: torch.Tensor, world: int):
+    """Every rank's expert ids, as a list indexed by rank."""
+    sizes = [None] * world
+    dist.all_gather_object(sizes, idx_TK.tolist())
+    return [torch.tensor(s, dtype=torch.long).reshape(-1, idx_TK.shape[1]) for s in sizes]
+
+
+def expected_rows(idx_by_rank, e: int, world: int, per_node: int, exchange: str):
+    """Rows each rank sends to other ranks in the forward, by (kind, locality), from the routing
+    alone: slot: one per slot; rank: one per (token, other rank); node: one per (token, other
+    node) to the rank with the sender's local index there, then one per (token, other rank)
+    inside the node from that rank. The backward sends the same numbers the other way:
+    dispatch's gradient as many rows as combine, combine's as many as dispatch."""
+    node = lambda r: r // per_node  # noqa: E731
+    out = [{(k, loc): 0 for k in ("dispatch", "combine") for loc in ("intra_node", "inter_node")}
+           for _ in range(world)]
+
+    def send(src, dst, rows=1):
+        if src != dst:
+            loc = "intra_node" if node(src) == node(dst) else "inter_node"
+            out[src][("dispatch", loc)] += rows
+            out[dst][("combine", loc)] += rows
+
+    for src, idx_TK in enumerate(idx_by_rank):
+        for row in idx_TK.tolist():
+            experts = [x for x in row if x >= 0]
+            if exchange == "slot":
+                for x in experts:
+                    send(src, x // e)
+            elif exchange == "rank":
+                for dst in {x // e for x in experts}:
+                    send(src, dst)
+            else:
+                for n in {x // e // per_node for x in experts}:
+                    gateway = n * per_node + src % per_node
+                    send(src, gateway)
+                    for dst in {x // e for x in experts if x // e // per_node == n}:
+                        send(gateway, dst)
+    return out
+
+
+def check_traffic_matches_formula(rank, world, exchange, per_node, top_k):
+    e = 2
+    torch.manual_seed(0)
+    layer = fmoe.FMoETransformerMLP(num_expert=e, d_model=D, d_hidden=H, top_k=top_k, world_size=world,
+                                    exchange=exchange, ranks_per_node=per_node).eval()
+    g = torch.Generator().manual_seed(5 + rank)
+    x = torch.randn(7 + 2 * rank, D, generator=g, requires_grad=True)
+    idx_by_rank = gather_routing(layer.gate.routing(x).expert_idx_TK, world)
+    with counted_rows(D) as counted:
+        out = layer(x)
+        forward_bytes = counted["bytes"]
+        (out * torch.randn(out.shape, generator=g)).sum().backward()
+    rows = expected_rows(idx_by_rank, e, world, per_node, exchange)[rank]
+    traffic = layer.traffic_bytes
+    row = D * 4
+    ctx = f"{exchange} exchange, rank {rank}/{world}, {per_node} a node, top-{top_k}"
+    for kind, other in (("dispatch", "combine"), ("combine", "dispatch")):
+        for loc in ("intra_node", "inter_node"):
+            assert traffic[kind]["forward"][loc] == rows[(kind, loc)] * row, (ctx, kind, loc, traffic, rows)
+            assert traffic[kind]["backward"][loc] == rows[(other, loc)] * row, (ctx, kind, loc, traffic, rows)
+    total = sum(rows.values()) * row
+    assert forward_bytes == total, (ctx, forward_bytes, total)
+    assert counted["bytes"] == 2 * total, (ctx, counted["bytes"], 2 * total)
+    if exchange == "node" and per_node < world:
+        assert traffic["dispatch"]["forward"]["inter_node"] > 0, ctx      # the routing reaches other nodes
+    if exchange == "rank":
+        # The routing's own traffic: split counts, K expert ids (int64) and K weights (fp32) a row,
+        # the weights' gradients back.
+        sent = rows[("dispatch", "intra_node")] + rows[("dispatch", "inter_node")]
+        back = rows[("combine", "intra_node")] + rows[("combine", "inter_node")]
+        routing = traffic["routing"]
+        assert sum(routing["forward"].values()) == (world - 1) * 8 + sent * top_k * (8 + 4), (ctx, routing)
+        assert sum(routing["backward"].values()) == back * top_k * 4, (ctx, routing)
+    totals = torch.tensor([forward_bytes], dtype=torch.long)
+    dist.all_reduce(totals)
+    return int(totals)
+
+
+def check_dedup_sends_fewer_rows(rank, world):
+    """On the same routing, the rank exchange sends at most the slot exchange's rows, and fewer
+    when a token has two experts on one rank (top-4 over 2 experts a rank always has)."""
+    sent = {ex: check_traffic_matches_formula(rank, world, ex, world, 4) for ex in ("slot", "rank")}
+    assert sent["rank"] < sent["slot"], sent
+
+
+def check_shadowing_on_dedup_equals_slot(rank, world, exchange, per_node):
+    E = 2 * world
+    kw = dict(exchange=exchange, ranks_per_node=per_node)
+    for top_k, hot in ((1, [0]), (2, [0, E - 1]), (3, [1, 0])):
+        compare_variants(rank, world, top_k, hot, lambda w, e, k, h: build(w, e, k, h, shadow=FixedShadow(h), **kw))
+        compare_variants(rank, world, top_k, hot, lambda w, e, k, h: build(w, e, k, h, **kw))
+    # User experts (a module list) and a gated activation, shadowed.
+    compare_variants(rank, world, 2, [0], lambda w, e, k, h: build(w, e, k, h, expert=TinyExpert,
+                                                                   shadow=FixedShadow(h), **kw),
+                     make_plain=lambda w, e, k, h: build(w, e, k, h, expert=TinyExpert))
+    compare_variants(rank, world, 2, [E - 1], lambda w, e, k, h: build(w, e, k, h, activation="swiglu",
+                                                                       shadow=FixedShadow(h), **kw),
+                     make_plain=lambda w, e, k, h: build(w, e, k, h, activation="swiglu"))
