@@ -120,6 +120,8 @@ class FMoE(nn.Module):
         kernels.check_backend(backend)      # a typo here (or in FMOE_BACKEND) fails now, not at the first forward
         self.backend = backend
         gate_kwargs = dict(gate_kwargs or {})
+        if gate_kwargs.get("max_nodes") is not None:     # node-limited routing: the gate's nodes are the layer's
+            gate_kwargs.setdefault("ranks_per_node", ranks_per_node_of(self.world_size, ranks_per_node))
         if isinstance(gate, str) or isinstance(gate, type) and accepts_keyword(gate, "gate_bias"):
             gate_kwargs.setdefault("gate_bias", gate_bias)
         if is_plain_module_gate(gate):

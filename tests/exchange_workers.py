@@ -132,3 +132,56 @@ def check_shadowing_on_dedup_equals_slot(rank, world, exchange, per_node):
     compare_variants(rank, world, 2, [E - 1], lambda w, e, k, h: build(w, e, k, h, activation="swiglu",
                                                                        shadow=FixedShadow(h), **kw),
                      make_plain=lambda w, e, k, h: build(w, e, k, h, activation="swiglu"))
+
+
+def node_limited_pair(rank, world, per_node, max_nodes, top_k, e=2):
+    """One process with the groups given as n_group / topk_group, and the expert-parallel layer
+    with max_nodes (its groups laid on its nodes): the same routing."""
+    torch.manual_seed(0)
+    kw = dict(d_model=D, d_hidden=H, top_k=top_k, gate="router")
+    full = fmoe.FMoETransformerMLP(num_expert=e * world, gate_kwargs={"n_group": world // per_node,
+                                                                       "topk_group": max_nodes}, **kw)
+    ep = fmoe.FMoETransformerMLP(num_expert=e, world_size=world, exchange="node", ranks_per_node=per_node,
+                                 gate_kwargs={"max_nodes": max_nodes}, **kw)
+    ep.gate.load_state_dict(full.gate.state_dict())
+    with torch.no_grad():
+        for name, p in ep.experts.named_parameters():
+            p.copy_(getattr(full.experts, name)[rank * e:(rank + 1) * e])
+    return full, ep
+
+
+def check_node_limited_routing(rank, world, per_node, max_nodes, top_k):
+    e = 2
+    full, ep = node_limited_pair(rank, world, per_node, max_nodes, top_k, e)
+    assert (ep.gate.n_group, ep.gate.topk_group) == (world // per_node, max_nodes)
+    g = torch.Generator().manual_seed(11)
+    T = 6
+    x_all = torch.randn(T * world, D, generator=g, requires_grad=True)
+    probe = torch.randn(T * world, D, generator=g)
+    lo, hi = rank * T, (rank + 1) * T
+    out_all = full(x_all)
+    (out_all * probe).sum().backward()
+    x = x_all.detach()[lo:hi].clone().requires_grad_(True)
+    idx_by_rank = gather_routing(ep.gate.routing(x).expert_idx_TK, world)
+    out = ep(x)
+    (out * probe[lo:hi]).sum().backward()
+    torch.testing.assert_close(out, out_all[lo:hi], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad, x_all.grad[lo:hi], atol=1e-5, rtol=1e-5)
+    for name, p in ep.experts.named_parameters():
+        torch.testing.assert_close(p.grad, getattr(full.experts, name).grad[rank * e:(rank + 1) * e],
+                                   atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    grad = ep.gate.gate.proj.weight.grad.clone()
+    dist.all_reduce(grad)
+    torch.testing.assert_close(grad, full.gate.gate.proj.weight.grad, atol=1e-5, rtol=1e-5)
+    nodes_per_token = [len({x // e // per_node for x in row}) for idx in idx_by_rank for row in idx.tolist()]
+    assert max(nodes_per_token) <= max_nodes, nodes_per_token
+    inter = ep.traffic_bytes["dispatch"]["forward"]["inter_node"]
+    assert inter <= max_nodes * T * D * 4, inter
+    rows = expected_rows(idx_by_rank, e, world, per_node, "node")[rank]
+    assert inter == rows[("dispatch", "inter_node")] * D * 4
+    # Without the limit, this routing reaches more nodes for some token: the limit is what held it.
+    unlimited = fmoe.FMoETransformerMLP(num_expert=e, world_size=world, d_model=D, d_hidden=H, top_k=top_k,
+                                        gate="router")
+    unlimited.gate.load_state_dict(full.gate.state_dict())
+    free = gather_routing(unlimited.gate.routing(x).expert_idx_TK, world)
+    assert max(len({x // e // per_node for x in row}) for idx in free for row in idx.tolist()) > max_nodes

@@ -26,3 +26,27 @@ def test_rank_exchange_sends_fewer_rows_than_slot():
 @pytest.mark.parametrize("world,exchange,per_node", [(2, "rank", None), (4, "node", 2)])
 def test_shadowing_on_the_deduplicated_exchange(world, exchange, per_node):
     run_ranks(exchange_workers.check_shadowing_on_dedup_equals_slot, world, exchange, per_node)
+
+
+@pytest.mark.parametrize("world,per_node,max_nodes,top_k", [(4, 2, 1, 3), (8, 2, 2, 4)])
+def test_node_limited_routing(world, per_node, max_nodes, top_k):
+    run_ranks(exchange_workers.check_node_limited_routing, world, per_node, max_nodes, top_k)
+
+
+def test_bad_options_name_the_argument():
+    import fmoe
+    from fmoe.gates import RouterGate
+    gate = RouterGate(8, 2, world_size=4, top_k=2, max_nodes=1, ranks_per_node=2)
+    assert (gate.n_group, gate.topk_group) == (2, 1)
+    with pytest.raises(ValueError, match="max_nodes=3 exceeds the 2 nodes"):
+        RouterGate(8, 2, world_size=4, top_k=2, max_nodes=3, ranks_per_node=2)
+    with pytest.raises(ValueError, match="max_nodes=1 lays the expert groups on the nodes"):
+        RouterGate(8, 2, world_size=4, top_k=2, max_nodes=1, ranks_per_node=2, n_group=2)
+    with pytest.raises(ValueError, match="ranks_per_node must be a positive int dividing"):
+        RouterGate(8, 2, world_size=4, top_k=2, max_nodes=1, ranks_per_node=3)
+    with pytest.raises(ValueError, match="pass max_nodes too"):
+        RouterGate(8, 2, world_size=4, top_k=2, ranks_per_node=2)
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        fmoe.FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=16, exchange="token")
+    with pytest.raises(ValueError, match="exchange='rank' does not run under the smart schedule"):
+        fmoe.FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=16, exchange="rank", schedule=True)
