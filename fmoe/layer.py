@@ -1,5 +1,7 @@
 """FMoE: gate -> plan -> permute -> (exchange) -> experts -> (exchange) -> unpermute."""
+import contextlib
 import dataclasses
+import warnings
 from typing import Optional
 
 import torch
@@ -101,7 +103,7 @@ class FMoE(nn.Module):
                  gate_bias=True, d_hidden=None, activation="gelu", expert_bias=True, gate_kwargs=None,
                  backend: Optional[str] = None, shadow=None, schedule=None, schedule_group_size=None,
                  shared_expert=None, shared_expert_gate=False, fp32_combine=False, recompute="activation",
-                 exchange="slot", ranks_per_node=None):
+                 exchange="slot", ranks_per_node=None, sync_free=False, max_tokens_per_rank=None):
         super().__init__()
         self.recompute = check_recompute(recompute)
         positive_int("d_model", d_model)
@@ -167,6 +169,9 @@ class FMoE(nn.Module):
                              "pass exchange='slot'")
         self.ranks_per_node = ranks_per_node_of(self.world_size, ranks_per_node)
         self.traffic = None if self.world_size == 1 else Traffic(self.moe_rank, self.ranks_per_node)
+        self.sync_free, self.max_tokens_per_rank = check_sync_free(sync_free, max_tokens_per_rank, self.exchange,
+                                                                   self.shadow_policy)
+        self.last_overflow = None       # sync_free: (token, rank) pairs past the bound in the last forward
         self.gate_hook = gate_hook
         self.aux_loss = None
         self.last_counts_E = None
@@ -279,22 +284,25 @@ class FMoE(nn.Module):
             expert_idx_TK = expert_idx_TK.masked_fill(self.token_mask(x_TD[0])[:, None] != 0, -1)
         if self.traffic is not None and not in_recompute():
             self.traffic.reset()
-        plan = RoutingPlan.build(expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
-                                 self.shadow_policy, exchange=self.exchange, ranks_per_node=self.ranks_per_node,
-                                 traffic=self.traffic)
-        if plan.dedup is not None:
-            y = self.dedup_experts(inp if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_TD, spec), plan,
-                                   routing.weight_TK)
-            y_TD, out_spec = tree_flatten(y)
-        elif self.runs_lean(moe_inp, plan):
-            y_TD, out_spec = [self.lean_experts(x_TD[0], plan, routing.weight_TK)], None
-        else:
-            x_ND = [kernels.permute(t, plan, self.backend) for t in x_TD]
-            y_ND = self.run_experts(x_ND[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_ND, spec), plan)
-            if isinstance(y_ND, torch.Tensor):
-                self.check_expert_output(y_ND)
-            y_TD = [kernels.unpermute(t, plan, routing.weight_TK, self.backend) for t in tree_flatten(y_ND)[0]]
-            out_spec = tree_flatten(y_ND)[1]
+        forced = self.sync_free and not torch.compiler.is_compiling()     # compiled: sync-free anyway
+        with kernels.forced_sync_free() if forced else contextlib.nullcontext():
+            plan = RoutingPlan.build(expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
+                                     self.shadow_policy, exchange=self.exchange, ranks_per_node=self.ranks_per_node,
+                                     traffic=self.traffic, bound=self.max_tokens_per_rank if self.sync_free else None)
+            if plan.dedup is not None:
+                self.last_overflow = plan.dedup.overflow
+                y = self.dedup_experts(inp if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_TD, spec),
+                                       plan, routing.weight_TK)
+                y_TD, out_spec = tree_flatten(y)
+            elif self.runs_lean(moe_inp, plan):
+                y_TD, out_spec = [self.lean_experts(x_TD[0], plan, routing.weight_TK)], None
+            else:
+                x_ND = [kernels.permute(t, plan, self.backend) for t in x_TD]
+                y_ND = self.run_experts(x_ND[0] if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_ND, spec), plan)
+                if isinstance(y_ND, torch.Tensor):
+                    self.check_expert_output(y_ND)
+                y_TD = [kernels.unpermute(t, plan, routing.weight_TK, self.backend) for t in tree_flatten(y_ND)[0]]
+                out_spec = tree_flatten(y_ND)[1]
         if self.mask_dict is not None:
             y_TD = [self.add_masked(t, x_TD[0], routing.weight_TK) for t in y_TD]
         if self.shared_experts is not None:
@@ -442,9 +450,40 @@ class FMoE(nn.Module):
         return {} if tally is None else tally.stats()
 
     @property
+    def num_overflowed(self) -> int:
+        """sync_free: the (token, rank) pairs that did not fit `max_tokens_per_rank` in the last
+        forward, summed over the ranks (the same on every rank); their slots added nothing. Reading
+        it waits for the device; a warning says so when it is not 0."""
+        if self.last_overflow is None:
+            return 0
+        n = int(self.last_overflow)
+        if n:
+            warnings.warn(f"{self.label}: {n} (token, rank) pairs over all ranks exceeded max_tokens_per_rank="
+                          f"{self.max_tokens_per_rank} in the last forward and were dropped (raise the bound)")
+        return n
+
+    @property
     def num_dropped(self) -> int:
         """Slots dropped by the capacity limit in the last forward."""
         return 0 if self.last_num_dropped is None else int(self.last_num_dropped)
+
+
+def check_sync_free(sync_free, max_tokens_per_rank, exchange: str, shadow_policy):
+    """(sync_free, max_tokens_per_rank) checked: the sync-free exchange is a bounded rank or node one."""
+    if not isinstance(sync_free, bool):
+        raise ValueError(f"sync_free must be a bool, got {sync_free!r}")
+    if not sync_free:
+        if max_tokens_per_rank is not None:
+            raise ValueError("max_tokens_per_rank bounds the sync-free exchange: pass sync_free=True with it")
+        return False, None
+    positive_int("max_tokens_per_rank", max_tokens_per_rank,
+                 " (sync_free=True: the rows each rank sends each rank, the same on every rank)")
+    if exchange == "slot":
+        raise ValueError("sync_free=True needs exchange='rank' or 'node' (the bounded deduplicated exchange), "
+                         "got exchange='slot'")
+    if shadow_policy is not None:
+        raise ValueError("sync_free=True cannot shadow: the shadowing policy chooses experts on the host")
+    return True, max_tokens_per_rank
 
 
 def make_shared_experts(shared_expert, d_model: int, activation, bias: bool,

@@ -49,11 +49,13 @@ class RoutingPlan:
     @classmethod
     def build(cls, expert_idx_TK: torch.Tensor, num_experts: int, world_size: int = 1,
               group=None, shadow_policy=None, *, compact: bool = False, exchange: str = "slot",
-              ranks_per_node: Optional[int] = None, traffic: Optional[Traffic] = None) -> "RoutingPlan":
+              ranks_per_node: Optional[int] = None, traffic: Optional[Traffic] = None,
+              bound: Optional[int] = None) -> "RoutingPlan":
         """Sort slots by expert; with `world_size` > 1, also agree with the other ranks on the
         exchange (`exchange`: "slot", one row per slot, or "rank" / "node", deduplicated, see
         `fmoe.distributed.dedup`) and, given a shadow policy, on the experts to shadow.
-        `compact`: on one rank too, rows only for kept slots (reads their number on the host)."""
+        `compact`: on one rank too, rows only for kept slots (reads their number on the host).
+        `bound`: the deduplicated exchange's bounded, sync-free hops (`fmoe.distributed.dedup`)."""
         exchange_kind = exchange
         T, K = expert_idx_TK.shape
         idx_S = expert_idx_TK.reshape(-1)
@@ -76,7 +78,9 @@ class RoutingPlan:
                 shadow = ShadowPlan(experts_S, counts_E[shadowed])
         key_S = torch.where(live_S, key_of_E[idx_S.clamp_min(0)], torch.full_like(idx_S, 2 * num_experts))
         order_S = torch.sort(key_S, stable=True).indices
-        num_rows = idx_S.numel() if world_size == 1 and not compact else int(counts_E.sum())
+        # The deduplicated exchange sends by its own plan: this one's rows stay as on one rank.
+        rows_of_all_slots = (world_size == 1 or exchange_kind != "slot") and not compact
+        num_rows = idx_S.numel() if rows_of_all_slots else int(counts_E.sum())
         slot_N = order_S[:num_rows]
         row_of_slot_S = torch.full_like(idx_S, -1).scatter_(0, slot_N, torch.arange(num_rows, device=idx_S.device))
         row_of_slot_S = torch.where(live_S, row_of_slot_S, -1)
@@ -96,7 +100,7 @@ class RoutingPlan:
                 home_idx_TK = torch.where(shadowed_TK, shadow_of_E[expert_idx_TK.clamp_min(0)], -1)
                 home = cls.build(home_idx_TK, len(shadow.experts_S), compact=True)
             dedup = build_dedup_plan(sent_idx_TK, num_experts // world_size, exchange_kind, ranks_per_node,
-                                     group, traffic)
+                                     group, traffic, bound)
         return cls(
             num_tokens=T,
             top_k=K,

@@ -185,3 +185,105 @@ def check_node_limited_routing(rank, world, per_node, max_nodes, top_k):
     unlimited.gate.load_state_dict(full.gate.state_dict())
     free = gather_routing(unlimited.gate.routing(x).expert_idx_TK, world)
     assert max(len({x // e // per_node for x in row}) for idx in free for row in idx.tolist()) > max_nodes
+
+
+def check_overflow_is_reported_on_every_rank(rank, world, exchange, per_node, bound):
+    """Past `max_tokens_per_rank` the pairs are dropped and counted: the count, summed over the
+    ranks, equals the routing's (first hop: per sender and destination, the pairs past the bound),
+    every rank reports it and warns; the output equals one process without those pairs' slots."""
+    import warnings
+    e, top_k, T = 2, 3, 6
+    torch.manual_seed(0)
+    kw = dict(d_model=D, d_hidden=H, top_k=top_k)
+    full = fmoe.FMoETransformerMLP(num_expert=e * world, **kw)
+    layer = fmoe.FMoETransformerMLP(num_expert=e, world_size=world, exchange=exchange, ranks_per_node=per_node,
+                                    sync_free=True, max_tokens_per_rank=bound, **kw)
+    layer.gate.load_state_dict(full.gate.state_dict())
+    with torch.no_grad():
+        for name, p in layer.experts.named_parameters():
+            p.copy_(getattr(full.experts, name)[rank * e:(rank + 1) * e])
+    g = torch.Generator().manual_seed(3)
+    x_all = torch.randn(T * world, D, generator=g)
+    x = x_all[rank * T:(rank + 1) * T]
+    idx_by_rank = gather_routing(layer.gate.routing(x).expert_idx_TK, world)
+    out = layer(x)
+    expected, dropped = 0, []
+    for src, idx_TK in enumerate(idx_by_rank):
+        seen = {}
+        for t, row in enumerate(idx_TK.tolist()):
+            dests = {x // e if exchange == "rank" else x // e // per_node * per_node + src % per_node for x in row}
+            for d in dests:
+                seen[d] = seen.get(d, 0) + 1
+                if seen[d] > bound:
+                    expected += 1
+                    dropped.append((src, t, d))
+    assert expected > 0, "the case must overflow"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert layer.num_overflowed == expected, (layer.num_overflowed, expected)
+    assert any("exceeded max_tokens_per_rank" in str(w.message) for w in caught), caught
+    # One process, each dropped pair's slots masked out (their experts' outputs absent).
+    idx_all = torch.cat(idx_by_rank)
+    weight_all = full.gate.routing(x_all).weight_TK
+    for src, t, d in dropped:
+        for k, x_ in enumerate(idx_by_rank[src][t].tolist()):
+            on = x_ // e if exchange == "rank" else x_ // e // per_node * per_node + src % per_node
+            if on == d:
+                idx_all[src * T + t, k] = -1
+    ref = torch.zeros(T * world, D)
+    for t in range(T * world):
+        for k in range(top_k):
+            if idx_all[t, k] >= 0:
+                ref[t] += weight_all[t, k] * full.experts.expert_forward(int(idx_all[t, k]), x_all[t:t + 1])[0]
+    torch.testing.assert_close(out, ref[rank * T:(rank + 1) * T], atol=1e-5, rtol=1e-5)
+
+
+class NoHostSync:
+    """Within: reading a tensor on the host (`item`, `tolist`, `__bool__`, `__int__`, `__float__`,
+    `__index__`) raises."""
+    NAMES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def refuse(name):
+            def raising(t, *a, **k):
+                raise AssertionError(f"host sync: Tensor.{name} called")
+            return raising
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, refuse(n))
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def check_sync_free_never_reads_the_device(rank, world, exchange, per_node):
+    """After a first forward (the layer's one-time agreement with its peers), a sync-free layer's
+    forward and backward read nothing on the host; and they equal the exchange that does."""
+    torch.manual_seed(0)
+    kw = dict(num_expert=2, d_model=D, d_hidden=H, top_k=3, world_size=world, exchange=exchange,
+              ranks_per_node=per_node)
+    layer = fmoe.FMoETransformerMLP(sync_free=True, max_tokens_per_rank=8, **kw)
+    plain = fmoe.FMoETransformerMLP(**kw)
+    plain.load_state_dict(layer.state_dict())
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, D, generator=g, requires_grad=True)
+    probe = torch.randn(8, D, generator=g)
+    (layer(x) * probe).sum().backward()
+    layer.zero_grad()
+    x.grad = None
+    with NoHostSync():
+        out = layer(x)
+        (out * probe).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    dx = x.grad.clone()
+    x.grad = None
+    ref = plain(x)
+    (ref * probe).sum().backward()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx, x.grad, atol=1e-5, rtol=1e-5)
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+    assert layer.num_overflowed == 0

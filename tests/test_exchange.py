@@ -50,3 +50,18 @@ def test_bad_options_name_the_argument():
         fmoe.FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=16, exchange="token")
     with pytest.raises(ValueError, match="exchange='rank' does not run under the smart schedule"):
         fmoe.FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=16, exchange="rank", schedule=True)
+
+
+@pytest.mark.parametrize("world,exchange,per_node", [(2, "rank", None), (4, "node", 2)])
+def test_sync_free_layer_equals_single_process(world, exchange, per_node):
+    run_ranks(dist_workers.check_layer_matches_single_process, world, exchange, per_node, 10)
+
+
+@pytest.mark.parametrize("world,exchange,per_node,bound", [(2, "rank", 2, 2), (4, "node", 2, 3)])
+def test_sync_free_overflow_is_counted_and_reported(world, exchange, per_node, bound):
+    run_ranks(exchange_workers.check_overflow_is_reported_on_every_rank, world, exchange, per_node, bound)
+
+
+@pytest.mark.parametrize("exchange", ["rank", "node"])
+def test_sync_free_forward_backward_never_read_the_device(exchange):
+    run_ranks(exchange_workers.check_sync_free_never_reads_the_device, 2, exchange, 1)

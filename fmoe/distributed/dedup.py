@@ -14,12 +14,19 @@ its experts, `local`); the node exchange's first hop reaches one rank of each de
 Everything above is agreed at plan time (the splits and ids cross in two small all-to-alls);
 only the rows and the weights travel in the forward, and their gradients in the backward, so
 the routing weights' gradients reach the gate.
+
+*Bounded* hops (a layer's `sync_free=True`) read nothing on the host: every rank sends each rank
+exactly `bound` rows (`max_tokens_per_rank`; padding where fewer, ids -1), through the
+functional collectives, which torch.compile traces. A (token, destination) pair past the bound
+is not sent: its slots add nothing, and the number of such pairs, summed over the ranks, is the
+hop's `overflow` (a device tensor, equal on every rank) that the layer reports.
 """
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
 from torch.utils._pytree import tree_map
 
 from fmoe import kernels
@@ -48,10 +55,30 @@ class Hop:
     traffic: Optional[Traffic]
     inner: Optional["Hop"] = None           # the node exchange's hop inside the destination node
     local: Optional[RoutingPlan] = None     # the last hop: received rows routed to this rank's experts
+    bound: Optional[int] = None             # bounded hop: rows sent to every rank (splits never read)
+    overflow: Optional[torch.Tensor] = None  # bounded hop: pairs past the bound, summed over the ranks
 
     @property
     def num_sent(self) -> int:
         return self.pairs.num_rows
+
+    def send(self, x, what: str, kind: str):
+        if self.bound is None:
+            return AllToAll.apply(x, self.send_splits_W, self.recv_splits_W, self.group, what, self.traffic, kind)
+        if self.traffic is not None:        # fixed sizes: the backward's are known now
+            self.traffic.add(kind, False, self.send_splits_W, row_bytes(x))
+            if x.requires_grad:
+                self.traffic.add(kind, True, self.recv_splits_W, row_bytes(x))
+        return fc.all_to_all_single_autograd(x.contiguous(), None, None, functional_group(self.group))
+
+    def send_back(self, y, what: str):
+        return self.send(y, what, "combine") if self.bound is not None else \
+            AllToAll.apply(y, self.recv_splits_W, self.send_splits_W, self.group, what, self.traffic, "combine")
+
+
+def functional_group(group):
+    """The group as torch's functional (traceable) collectives take it: None is the world."""
+    return dist.group.WORLD if group is None else group
 
 
 def _all_to_all(x, send_splits, recv_splits, group, what):
@@ -84,23 +111,67 @@ def build_hop(expert_idx_TK: torch.Tensor, dest_of_E: torch.Tensor, group, traff
     return Hop(pairs, send_splits, recv_splits, slot_mask_NK, idx_QK, group, layer, traffic)
 
 
+def build_bounded_hop(expert_idx_TK: torch.Tensor, dest_of_E: torch.Tensor, group, bound: int,
+                      traffic: Optional[Traffic]) -> Hop:
+    """build_hop's sync-free twin: `bound` rows to every rank, the first `bound` tokens (in token
+    order) that go there; the rest counted in `overflow` (not yet summed over the ranks)."""
+    world = dist.get_world_size(group)
+    T, K = expert_idx_TK.shape
+    device = expert_idx_TK.device
+    live_TK = expert_idx_TK >= 0
+    dest_TK = torch.where(live_TK, dest_of_E[expert_idx_TK.clamp_min(0)], -1)
+    reach_TW = torch.zeros(T, world, dtype=torch.int64, device=device)
+    reach_TW = reach_TW.scatter_add(1, dest_TK.clamp_min(0), live_TK.long()) > 0
+    place_TW = torch.cumsum(reach_TW.long(), 0) - 1          # the token's place among those going to w
+    keep_TW = reach_TW & (place_TW < bound)
+    rows = world * bound
+    row_of_pair_TW = torch.where(keep_TW, torch.arange(world, device=device) * bound + place_TW, -1)
+    target = torch.where(keep_TW, row_of_pair_TW, rows).reshape(-1)     # past the end: not sent
+    tokens = torch.arange(T, device=device).repeat_interleave(world)
+    token_J = torch.zeros(rows + 1, dtype=torch.int64, device=device).scatter(0, target, tokens)[:rows]
+    sent_J = torch.zeros(rows + 1, dtype=torch.bool, device=device).scatter(0, target, keep_TW.reshape(-1))[:rows]
+    dest_J = torch.arange(rows, device=device) // bound
+    idx_JK = expert_idx_TK.index_select(0, token_J) if T else expert_idx_TK.new_full((rows, K), -1)
+    dest_JK = dest_TK.index_select(0, token_J) if T else idx_JK
+    slot_mask_JK = sent_J[:, None] & (dest_JK == dest_J[:, None])
+    idx_QK = fc.wait_tensor(fc.all_to_all_single(torch.where(slot_mask_JK, idx_JK, -1), None, None, functional_group(group)))
+    pairs = RoutingPlan(num_tokens=T, top_k=world, num_rows=rows, slot_N=token_J * world + dest_J, token_N=token_J,
+                        row_of_slot_TK=row_of_pair_TW, counts_E=keep_TW.sum(0))
+    splits = [bound] * world
+    if traffic is not None:
+        traffic.add("routing", False, splits, K * idx_JK.element_size())
+    overflow = (reach_TW & ~keep_TW).sum()
+    return Hop(pairs, splits, splits, slot_mask_JK, idx_QK, group, current_layer(), traffic, bound=bound,
+               overflow=overflow)
+
+
 def build_dedup_plan(expert_idx_TK: torch.Tensor, num_expert: int, exchange: str, ranks_per_node: int,
-                     group=None, traffic: Optional[Traffic] = None) -> Hop:
+                     group=None, traffic: Optional[Traffic] = None, bound: Optional[int] = None) -> Hop:
     """The hops of the rank (or node) exchange for global expert ids `expert_idx_TK` (-1: stays
-    home), `num_expert` experts per rank; every rank of `group` calls it."""
+    home), `num_expert` experts per rank; every rank of `group` calls it. `bound`: bounded
+    (sync-free) hops of `bound` rows to each rank (the node exchange's inner hop: as many as
+    its first hop can bring, so only the first overflows)."""
     check_exchange(exchange)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     ranks_per_node = ranks_per_node_of(world, ranks_per_node)
     owner_E = torch.arange(num_expert * world, device=expert_idx_TK.device) // num_expert
+
+    def hop_to(idx_TK, dest_of_E, hop_bound):
+        if bound is None:
+            return build_hop(idx_TK, dest_of_E, group, traffic)
+        return build_bounded_hop(idx_TK, dest_of_E, group, hop_bound, traffic)
+
     if exchange == "rank":
-        hop = build_hop(expert_idx_TK, owner_E, group, traffic)
-        inner = hop
+        hop = inner = hop_to(expert_idx_TK, owner_E, bound)
     else:
         gateway_E = owner_E // ranks_per_node * ranks_per_node + rank % ranks_per_node
-        hop = build_hop(expert_idx_TK, gateway_E, group, traffic)
-        hop.inner = inner = build_hop(hop.expert_idx_QK, owner_E, group, traffic)
+        hop = hop_to(expert_idx_TK, gateway_E, bound)
+        nodes = world // ranks_per_node
+        hop.inner = inner = hop_to(hop.expert_idx_QK, owner_E, None if bound is None else nodes * bound)
     local_idx_QK = torch.where(inner.expert_idx_QK >= 0, inner.expert_idx_QK - rank * num_expert, -1)
-    inner.local = RoutingPlan.build(local_idx_QK, num_expert, compact=True)
+    inner.local = RoutingPlan.build(local_idx_QK, num_expert, compact=bound is None)
+    if bound is not None:
+        hop.overflow = fc.wait_tensor(fc.all_reduce(hop.overflow, "sum", functional_group(group)))
     return hop
 
 
@@ -109,17 +180,22 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
     of them sharing the rows): the rows travel out, `experts(x_QD, local_plan, weight_QK)` runs on
     the last hop's received rows, its output travels back."""
     what = f"{hop.layer}: deduplicated"
-    x_ND = tree_map(lambda t: kernels.permute(t, hop.pairs, backend), x_TD)
-    w_NK = weight_TK.index_select(0, hop.pairs.token_N).masked_fill(~hop.slot_mask_NK, 0)
-    x_QD = tree_map(lambda t: AllToAll.apply(t, hop.send_splits_W, hop.recv_splits_W, hop.group,
-                                             f"{what} dispatch", hop.traffic, "dispatch"), x_ND)
-    w_QK = AllToAll.apply(w_NK, hop.send_splits_W, hop.recv_splits_W, hop.group, f"{what} weights",
-                          hop.traffic, "routing")
+    empty = hop.bound is not None and hop.pairs.num_tokens == 0
+    if empty:           # a bounded hop's padding, from no token at all
+        # zeros, still in the graph: x's gradient is an empty tensor, as on every other path
+        x_ND = tree_map(lambda t: t.new_zeros(hop.num_sent, t.shape[1]) + t.sum() * 0, x_TD)
+        w_NK = weight_TK.new_zeros(hop.num_sent, weight_TK.shape[1]) + weight_TK.sum() * 0
+    else:
+        x_ND = tree_map(lambda t: kernels.permute(t, hop.pairs, backend), x_TD)
+        w_NK = weight_TK.index_select(0, hop.pairs.token_N).masked_fill(~hop.slot_mask_NK, 0)
+    x_QD = tree_map(lambda t: hop.send(t, f"{what} dispatch", "dispatch"), x_ND)
+    w_QK = hop.send(w_NK, f"{what} weights", "routing")
     if hop.inner is not None:
         y_QD = run_hop(hop.inner, x_QD, w_QK, experts, backend)
     else:
         y_QD = experts(x_QD, hop.local, w_QK)
-    y_ND = tree_map(lambda t: AllToAll.apply(t, hop.recv_splits_W, hop.send_splits_W, hop.group,
-                                             f"{what} combine", hop.traffic, "combine"), y_QD)
+    y_ND = tree_map(lambda t: hop.send_back(t, f"{what} combine"), y_QD)
+    if empty:           # no token: the rows only travel back (so their gradients' exchange runs too)
+        return tree_map(lambda t: t[:0] * 0, y_ND)
     return tree_map(lambda t: kernels.sum_rows(t, hop.pairs, backend), y_ND)
 
