@@ -14,6 +14,7 @@ from fmoe.autocast import autocast_dtype
 from fmoe.distributed import dedup, exchange
 from fmoe.distributed.check import check_expert_parallel_config
 from fmoe.distributed.exchange import Traffic, ranks_per_node_of
+from fmoe.distributed.groups import NodeGroup
 from fmoe.distributed.schedule import group_size_from_env, schedule_enabled_by_env, scheduled_experts
 from fmoe.distributed.shadow import BufferPool, ShadowPull, make_shadow_policy
 from fmoe.distributed.slicing import gather_rows, slice_rows
@@ -172,6 +173,10 @@ class FMoE(nn.Module):
         self.sync_free, self.max_tokens_per_rank = check_sync_free(sync_free, max_tokens_per_rank, self.exchange,
                                                                    self.shadow_policy)
         self.last_overflow = None       # sync_free: (token, rank) pairs past the bound in the last forward
+        # The bounded node exchange pads its hop inside a node to every rank of it: a node's own group.
+        self.node_group = (NodeGroup(moe_group, self.ranks_per_node)
+                           if self.sync_free and self.exchange == "node" and self.ranks_per_node < self.world_size
+                           else None)
         self.gate_hook = gate_hook
         self.aux_loss = None
         self.last_counts_E = None
@@ -264,8 +269,8 @@ class FMoE(nn.Module):
         if isinstance(moe_inp, torch.Tensor):
             self.check_input(moe_inp)
         leaves, spec, lead = self.leaves_of(moe_inp)
-        if self.world_size > 1:
-            self.check_with_peers(leaves[0])
+        if self.world_size > 1 and not (torch.compiler.is_compiling() and self.layer_index is not None):
+            self.check_with_peers(leaves[0])    # once checked, a compiled forward leaves it out (fullgraph)
         x_TD = [t.reshape(-1, t.shape[-1]) for t in leaves]
         if self.slice_group is not None:
             x_TD = [slice_rows(t, self.slice_group) for t in x_TD]
@@ -288,7 +293,8 @@ class FMoE(nn.Module):
         with kernels.forced_sync_free() if forced else contextlib.nullcontext():
             plan = RoutingPlan.build(expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
                                      self.shadow_policy, exchange=self.exchange, ranks_per_node=self.ranks_per_node,
-                                     traffic=self.traffic, bound=self.max_tokens_per_rank if self.sync_free else None)
+                                     traffic=self.traffic, bound=self.max_tokens_per_rank if self.sync_free else None,
+                                     node_group=self.node_group and self.node_group.group)
             if plan.dedup is not None:
                 self.last_overflow = plan.dedup.overflow
                 y = self.dedup_experts(inp if isinstance(moe_inp, torch.Tensor) else tree_unflatten(x_TD, spec),

@@ -50,12 +50,12 @@ class RoutingPlan:
     def build(cls, expert_idx_TK: torch.Tensor, num_experts: int, world_size: int = 1,
               group=None, shadow_policy=None, *, compact: bool = False, exchange: str = "slot",
               ranks_per_node: Optional[int] = None, traffic: Optional[Traffic] = None,
-              bound: Optional[int] = None) -> "RoutingPlan":
+              bound: Optional[int] = None, node_group=None) -> "RoutingPlan":
         """Sort slots by expert; with `world_size` > 1, also agree with the other ranks on the
         exchange (`exchange`: "slot", one row per slot, or "rank" / "node", deduplicated, see
         `fmoe.distributed.dedup`) and, given a shadow policy, on the experts to shadow.
         `compact`: on one rank too, rows only for kept slots (reads their number on the host).
-        `bound`: the deduplicated exchange's bounded, sync-free hops (`fmoe.distributed.dedup`)."""
+        `bound`, `node_group`: the deduplicated exchange's bounded, sync-free hops (`fmoe.distributed.dedup`)."""
         exchange_kind = exchange
         T, K = expert_idx_TK.shape
         idx_S = expert_idx_TK.reshape(-1)
@@ -100,7 +100,7 @@ class RoutingPlan:
                 home_idx_TK = torch.where(shadowed_TK, shadow_of_E[expert_idx_TK.clamp_min(0)], -1)
                 home = cls.build(home_idx_TK, len(shadow.experts_S), compact=True)
             dedup = build_dedup_plan(sent_idx_TK, num_experts // world_size, exchange_kind, ranks_per_node,
-                                     group, traffic, bound)
+                                     group, traffic, bound, node_group)
         return cls(
             num_tokens=T,
             top_k=K,

@@ -287,3 +287,35 @@ def check_sync_free_never_reads_the_device(rank, world, exchange, per_node):
     for n, p in plain.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{n}: {m}")
     assert layer.num_overflowed == 0
+
+
+def check_sync_free_compiles_whole(rank, world, exchange, per_node):
+    """torch.compile(fullgraph=True) traces the sync-free expert-parallel layer (after its first,
+    eager forward, which agrees with the peers); outputs, every gradient and the counted bytes
+    equal the eager layer's."""
+    import copy
+    torch.manual_seed(0)
+    layer = fmoe.FMoETransformerMLP(num_expert=2, d_model=D, d_hidden=H, top_k=3, world_size=world,
+                                    exchange=exchange, ranks_per_node=per_node, sync_free=True,
+                                    max_tokens_per_rank=8)
+    with torch.no_grad():
+        layer(torch.zeros(1, D))
+    eager = copy.deepcopy(layer)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, D, generator=g)
+    probe = torch.randn(8, D, generator=g)
+    results = []
+    for module, run in ((eager, eager), (layer, compiled)):
+        x_in = x.clone().requires_grad_(True)
+        out = run(x_in)
+        (out * probe).sum().backward()
+        results.append((out, x_in.grad, {n: p.grad for n, p in module.named_parameters()}, module.traffic_bytes))
+    (out_e, dx_e, grads_e, bytes_e), (out_c, dx_c, grads_c, bytes_c) = results
+    torch.testing.assert_close(out_c, out_e, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx_c, dx_e, atol=1e-5, rtol=1e-5)
+    for n in grads_e:
+        torch.testing.assert_close(grads_c[n], grads_e[n], atol=1e-5, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+    # The bounded buffers' bytes: 8 rows of D fp32 to each other rank (ranks on one node, or each its own).
+    where = "intra_node" if per_node is None else "inter_node"
+    assert bytes_c == bytes_e and bytes_e["dispatch"]["forward"][where] == (world - 1) * 8 * D * 4, bytes_e

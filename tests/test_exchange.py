@@ -65,3 +65,8 @@ def test_sync_free_overflow_is_counted_and_reported(world, exchange, per_node, b
 @pytest.mark.parametrize("exchange", ["rank", "node"])
 def test_sync_free_forward_backward_never_read_the_device(exchange):
     run_ranks(exchange_workers.check_sync_free_never_reads_the_device, 2, exchange, 1)
+
+
+@pytest.mark.parametrize("exchange,per_node", [("rank", None), ("node", 1)])
+def test_sync_free_layer_compiles_with_fullgraph(exchange, per_node):
+    run_ranks(exchange_workers.check_sync_free_compiles_whole, 2, exchange, per_node)

@@ -112,9 +112,11 @@ def build_hop(expert_idx_TK: torch.Tensor, dest_of_E: torch.Tensor, group, traff
 
 
 def build_bounded_hop(expert_idx_TK: torch.Tensor, dest_of_E: torch.Tensor, group, bound: int,
-                      traffic: Optional[Traffic]) -> Hop:
-    """build_hop's sync-free twin: `bound` rows to every rank, the first `bound` tokens (in token
-    order) that go there; the rest counted in `overflow` (not yet summed over the ranks)."""
+                      traffic: Optional[Traffic], first: int = 0, exchange_world: Optional[int] = None) -> Hop:
+    """build_hop's sync-free twin: `bound` rows to every rank of `group`, the first `bound` tokens
+    (in token order) that go there; the rest counted in `overflow` (not yet summed over the
+    ranks). `group` may be a node: its ranks are the exchange's `first`, `first + 1`, ... of
+    `exchange_world` (for the counted bytes), `dest_of_E` numbers them from 0."""
     world = dist.get_world_size(group)
     T, K = expert_idx_TK.shape
     device = expert_idx_TK.device
@@ -137,7 +139,8 @@ def build_bounded_hop(expert_idx_TK: torch.Tensor, dest_of_E: torch.Tensor, grou
     idx_QK = fc.wait_tensor(fc.all_to_all_single(torch.where(slot_mask_JK, idx_JK, -1), None, None, functional_group(group)))
     pairs = RoutingPlan(num_tokens=T, top_k=world, num_rows=rows, slot_N=token_J * world + dest_J, token_N=token_J,
                         row_of_slot_TK=row_of_pair_TW, counts_E=keep_TW.sum(0))
-    splits = [bound] * world
+    exchange_world = world if exchange_world is None else exchange_world
+    splits = [bound if first <= w < first + world else 0 for w in range(exchange_world)]
     if traffic is not None:
         traffic.add("routing", False, splits, K * idx_JK.element_size())
     overflow = (reach_TW & ~keep_TW).sum()
@@ -146,28 +149,30 @@ def build_bounded_hop(expert_idx_TK: torch.Tensor, dest_of_E: torch.Tensor, grou
 
 
 def build_dedup_plan(expert_idx_TK: torch.Tensor, num_expert: int, exchange: str, ranks_per_node: int,
-                     group=None, traffic: Optional[Traffic] = None, bound: Optional[int] = None) -> Hop:
+                     group=None, traffic: Optional[Traffic] = None, bound: Optional[int] = None,
+                     node_group=None) -> Hop:
     """The hops of the rank (or node) exchange for global expert ids `expert_idx_TK` (-1: stays
     home), `num_expert` experts per rank; every rank of `group` calls it. `bound`: bounded
     (sync-free) hops of `bound` rows to each rank (the node exchange's inner hop: as many as
-    its first hop can bring, so only the first overflows)."""
+    its first hop can bring, so only the first overflows; it runs in `node_group`, this rank's
+    node, when given, so its padding stays inside the node)."""
     check_exchange(exchange)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     ranks_per_node = ranks_per_node_of(world, ranks_per_node)
     owner_E = torch.arange(num_expert * world, device=expert_idx_TK.device) // num_expert
-
-    def hop_to(idx_TK, dest_of_E, hop_bound):
-        if bound is None:
-            return build_hop(idx_TK, dest_of_E, group, traffic)
-        return build_bounded_hop(idx_TK, dest_of_E, group, hop_bound, traffic)
-
     if exchange == "rank":
-        hop = inner = hop_to(expert_idx_TK, owner_E, bound)
+        hop = inner = (build_hop(expert_idx_TK, owner_E, group, traffic) if bound is None else
+                       build_bounded_hop(expert_idx_TK, owner_E, group, bound, traffic))
+    elif bound is None:
+        gateway_E = owner_E // ranks_per_node * ranks_per_node + rank % ranks_per_node
+        hop = build_hop(expert_idx_TK, gateway_E, group, traffic)
+        hop.inner = inner = build_hop(hop.expert_idx_QK, owner_E, group, traffic)
     else:
         gateway_E = owner_E // ranks_per_node * ranks_per_node + rank % ranks_per_node
-        hop = hop_to(expert_idx_TK, gateway_E, bound)
-        nodes = world // ranks_per_node
-        hop.inner = inner = hop_to(hop.expert_idx_QK, owner_E, None if bound is None else nodes * bound)
+        hop = build_bounded_hop(expert_idx_TK, gateway_E, group, bound, traffic)
+        first = rank // ranks_per_node * ranks_per_node if node_group is not None else 0
+        hop.inner = inner = build_bounded_hop(hop.expert_idx_QK, owner_E - first, node_group or group,
+                                              world // ranks_per_node * bound, traffic, first, world)
     local_idx_QK = torch.where(inner.expert_idx_QK >= 0, inner.expert_idx_QK - rank * num_expert, -1)
     inner.local = RoutingPlan.build(local_idx_QK, num_expert, compact=bound is None)
     if bound is not None:
