@@ -1,5 +1,7 @@
 """The exchanges across real processes (gloo): one row per slot, per rank ("rank") or per node
 ("node"); equal to one process, and the bytes each rank sends equal to formulas of the routing."""
+import math
+
 import pytest
 
 from tests import dist_workers, exchange_workers
@@ -70,3 +72,27 @@ def test_sync_free_forward_backward_never_read_the_device(exchange):
 @pytest.mark.parametrize("exchange,per_node", [("rank", None), ("node", 1)])
 def test_sync_free_layer_compiles_with_fullgraph(exchange, per_node):
     run_ranks(exchange_workers.check_sync_free_compiles_whole, 2, exchange, per_node)
+
+
+def test_perfmodel_reads_the_deduplicated_rows():
+    import torch
+    from fmoe.perfmodel import PerfModel, dedup_row_share
+    from fmoe.simulate import simulate_one
+    uniform = torch.full((128,), 1 / 128, dtype=torch.double)
+    assert torch.equal(dedup_row_share(uniform, 1, 8), torch.ones(8, dtype=torch.double))     # top-1: no repeats
+    # Qwen3-30B-A3B's layout: 128 experts on 8 ranks, top-8 (8 distinct experts) reaches
+    # 8 (1 - C(112, 8) / C(128, 8)) = 5.34 distinct ranks for 8 slots (5.25 if drawn with replacement).
+    exact = 1 - math.comb(112, 8) / math.comb(128, 8)
+    assert dedup_row_share(uniform, 8, 8).mean().item() == pytest.approx(exact, abs=0.005)
+    # DeepSeek-V3's: 256 experts on 64 ranks, 64 (1 - C(252, 8) / C(256, 8)) = 7.68 distinct ranks.
+    assert dedup_row_share(torch.full((256,), 1 / 256, dtype=torch.double), 8, 64).mean().item() == \
+        pytest.approx(8 * (1 - math.comb(252, 8) / math.comb(256, 8)), abs=0.005)
+    m = PerfModel(1024, 4096, flops=1e14, net_bandwidth=1e9)
+    counts = torch.full((8, 128), 64.0, dtype=torch.double)
+    share = dedup_row_share(uniform, 8, 8)
+    assert m.layer_time(counts, row_share_W=torch.ones(8, dtype=torch.double)) == pytest.approx(m.layer_time(counts))
+    # Traffic dominates here: the time falls nearly as the rows do.
+    assert m.layer_time(counts, row_share_W=share) / m.layer_time(counts) == pytest.approx(exact, abs=0.03)
+    row = simulate_one(m, 8, 16, 4096, 8, "uniform", 4, exchange="rank")
+    assert row["rows_vs_slot"] == pytest.approx(exact, abs=0.005)
+    assert simulate_one(m, 8, 16, 4096, 8, "uniform", 4)["rows_vs_slot"] == 1.0
