@@ -319,3 +319,17 @@ def check_sync_free_compiles_whole(rank, world, exchange, per_node):
     # The bounded buffers' bytes: 8 rows of D fp32 to each other rank (ranks on one node, or each its own).
     where = "intra_node" if per_node is None else "inter_node"
     assert bytes_c == bytes_e and bytes_e["dispatch"]["forward"][where] == (world - 1) * 8 * D * 4, bytes_e
+
+
+def check_capacity_on_dedup_equals_slot(rank, world, exchange, per_node):
+    """A capacity limit (GShard's, per rank) drops slots before any exchange: the deduplicated
+    exchanges equal one row per slot on the same drops, outputs and every gradient."""
+    kw = dict(gate="gshard", gate_kwargs={"capacity": (0.5, 0.5), "random_routing": False})
+    for top_k, hot in ((2, [0]), (2, [0, 1])):
+        layer = compare_variants(rank, world, top_k, hot,
+                                 lambda w, e, k, h: build(w, e, k, h, exchange=exchange, ranks_per_node=per_node,
+                                                          **kw),
+                                 make_plain=lambda w, e, k, h: build(w, e, k, h, **kw))
+        dropped = torch.tensor([layer.num_dropped])
+        dist.all_reduce(dropped)
+        assert int(dropped) > 0, "the capacity must drop slots for the case to test anything"

@@ -96,3 +96,8 @@ def test_perfmodel_reads_the_deduplicated_rows():
     row = simulate_one(m, 8, 16, 4096, 8, "uniform", 4, exchange="rank")
     assert row["rows_vs_slot"] == pytest.approx(exact, abs=0.005)
     assert simulate_one(m, 8, 16, 4096, 8, "uniform", 4)["rows_vs_slot"] == 1.0
+
+
+@pytest.mark.parametrize("world,exchange,per_node", [(2, "rank", None), (4, "node", 2)])
+def test_capacity_on_the_deduplicated_exchange(world, exchange, per_node):
+    run_ranks(exchange_workers.check_capacity_on_dedup_equals_slot, world, exchange, per_node)
