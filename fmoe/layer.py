@@ -164,14 +164,14 @@ class FMoE(nn.Module):
         self.shadow_policy = make_shadow_policy(shadow, d_model, self.experts, num_expert, self.world_size)
         self.shadow_buffers = BufferPool()     # shadowing's flat buffers, kept from step to step
         self.exchange = dedup.check_exchange(exchange)
-        if self.exchange != "slot" and self.schedule:
-            raise ValueError(f"exchange={exchange!r} does not run under the smart schedule (schedule=True or "
-                             "FMOE_FASTER_SCHEDULE_ENABLE=1), whose pipeline moves one row per slot: "
-                             "pass exchange='slot'")
+        if self.exchange == "node" and self.schedule:
+            raise ValueError("exchange='node' does not run under the smart schedule (schedule=True or "
+                             "FMOE_FASTER_SCHEDULE_ENABLE=1), which pipelines one exchange over the ranks: "
+                             "pass exchange='rank' or 'slot'")
         self.ranks_per_node = ranks_per_node_of(self.world_size, ranks_per_node)
         self.traffic = None if self.world_size == 1 else Traffic(self.moe_rank, self.ranks_per_node)
         self.sync_free, self.max_tokens_per_rank = check_sync_free(sync_free, max_tokens_per_rank, self.exchange,
-                                                                   self.shadow_policy)
+                                                                   self.shadow_policy, self.schedule)
         self.last_overflow = None       # sync_free: (token, rank) pairs past the bound in the last forward
         # The bounded node exchange pads its hop inside a node to every rank of it: a node's own group.
         self.node_group = (NodeGroup(moe_group, self.ranks_per_node)
@@ -385,17 +385,21 @@ class FMoE(nn.Module):
     def dedup_experts(self, x_TD, plan: RoutingPlan, weight_TK):
         """The routed experts' weighted sum per token over the rank or node exchange
         (`fmoe.distributed.dedup`), plus the shadowed experts', computed at home."""
-        if self.shadow_policy is not None and (not isinstance(x_TD, torch.Tensor)
-                                               or type(self).expert_fn is not FMoE.expert_fn):
-            raise ValueError("shadow needs a single input tensor and the default expert_fn")
+        if (self.shadow_policy is not None or self.schedule) and (not isinstance(x_TD, torch.Tensor)
+                                                                  or type(self).expert_fn is not FMoE.expert_fn):
+            raise ValueError("shadow / schedule need a single input tensor and the default expert_fn")
+        if self.schedule and self.fp32_combine and x_TD.dtype != torch.float32:
+            raise ValueError(f"schedule=True with exchange='rank' sends the routing weights in the rows' dtype "
+                             f"({x_TD.dtype}): it cannot keep fp32_combine=True's fp32 weights; use fp32 input")
         # The pull starts first, so it travels while the other rows are dispatched and computed.
         pull = None if plan.shadow is None else ShadowPull(self.experts, plan.shadow, self.num_expert,
-                                                           self.moe_group, self.shadow_policy.overlap, fold=True,
-                                                           pool=self.shadow_buffers)
-        run_here = None if pull is None else pull.run_local
+                                                           self.moe_group, self.shadow_policy.overlap,
+                                                           fold=not self.schedule, pool=self.shadow_buffers)
+        run_here = None if pull is None or self.schedule else pull.run_local
+        schedule = (self.schedule_group_size, list(self.experts.parameters())) if self.schedule else None
         y_TD = dedup.run_hop(plan.dedup, x_TD, weight_TK,
                              lambda x_QD, local, w_QK: self.weighted_experts(x_QD, local, w_QK, run_here),
-                             self.backend)
+                             self.backend, schedule)
         if pull is None:
             return y_TD
         return y_TD + self.weighted_experts(x_TD, plan.home, weight_TK, lambda x_SD, counts_S: pull.forward(x_SD))
@@ -474,7 +478,7 @@ class FMoE(nn.Module):
         return 0 if self.last_num_dropped is None else int(self.last_num_dropped)
 
 
-def check_sync_free(sync_free, max_tokens_per_rank, exchange: str, shadow_policy):
+def check_sync_free(sync_free, max_tokens_per_rank, exchange: str, shadow_policy, schedule: bool = False):
     """(sync_free, max_tokens_per_rank) checked: the sync-free exchange is a bounded rank or node one."""
     if not isinstance(sync_free, bool):
         raise ValueError(f"sync_free must be a bool, got {sync_free!r}")
@@ -489,6 +493,8 @@ def check_sync_free(sync_free, max_tokens_per_rank, exchange: str, shadow_policy
                          "got exchange='slot'")
     if shadow_policy is not None:
         raise ValueError("sync_free=True cannot shadow: the shadowing policy chooses experts on the host")
+    if schedule:
+        raise ValueError("sync_free=True does not run under the smart schedule, whose pipeline reads the splits")
     return True, max_tokens_per_rank
 
 

@@ -333,3 +333,18 @@ def check_capacity_on_dedup_equals_slot(rank, world, exchange, per_node):
         dropped = torch.tensor([layer.num_dropped])
         dist.all_reduce(dropped)
         assert int(dropped) > 0, "the capacity must drop slots for the case to test anything"
+
+
+def check_schedule_on_rank_equals_slot(rank, world):
+    """FasterMoE's smart schedule pipelining the rank exchange (groups of 1 and 2 ranks, with and
+    without shadowing, module-list experts too) equals one row per slot, unscheduled."""
+    E = 2 * world
+    for group_size in (1, 2):
+        for top_k, hot, shadow in ((3, [], False), (1, [0], False), (2, [0, E - 1], True)):
+            def make(w, e, k, h):
+                return build(w, e, k, h, schedule=True, schedule_group_size=group_size, exchange="rank",
+                             shadow=FixedShadow(h) if shadow else False)
+            compare_variants(rank, world, top_k, hot, make)
+    compare_variants(rank, world, 2, [], lambda w, e, k, h: build(w, e, k, h, expert=TinyExpert, schedule=True,
+                                                                  exchange="rank"),
+                     make_plain=lambda w, e, k, h: build(w, e, k, h, expert=TinyExpert))

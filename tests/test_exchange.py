@@ -50,8 +50,14 @@ def test_bad_options_name_the_argument():
         RouterGate(8, 2, world_size=4, top_k=2, ranks_per_node=2)
     with pytest.raises(ValueError, match="exchange must be one of"):
         fmoe.FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=16, exchange="token")
-    with pytest.raises(ValueError, match="exchange='rank' does not run under the smart schedule"):
-        fmoe.FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=16, exchange="rank", schedule=True)
+    with pytest.raises(ValueError, match="exchange='node' does not run under the smart schedule"):
+        fmoe.FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=16, exchange="node", schedule=True)
+    with pytest.raises(ValueError, match="max_tokens_per_rank must be a positive int"):
+        fmoe.FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=16, exchange="rank", sync_free=True)
+    with pytest.raises(ValueError, match="sync_free=True needs exchange='rank' or 'node'"):
+        fmoe.FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=16, sync_free=True, max_tokens_per_rank=4)
+    with pytest.raises(ValueError, match="pass sync_free=True with it"):
+        fmoe.FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=16, exchange="rank", max_tokens_per_rank=4)
 
 
 @pytest.mark.parametrize("world,exchange,per_node", [(2, "rank", None), (4, "node", 2)])
@@ -101,3 +107,8 @@ def test_perfmodel_reads_the_deduplicated_rows():
 @pytest.mark.parametrize("world,exchange,per_node", [(2, "rank", None), (4, "node", 2)])
 def test_capacity_on_the_deduplicated_exchange(world, exchange, per_node):
     run_ranks(exchange_workers.check_capacity_on_dedup_equals_slot, world, exchange, per_node)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_smart_schedule_on_the_rank_exchange(world):
+    run_ranks(exchange_workers.check_schedule_on_rank_equals_slot, world)

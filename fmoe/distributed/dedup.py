@@ -55,6 +55,7 @@ class Hop:
     traffic: Optional[Traffic]
     inner: Optional["Hop"] = None           # the node exchange's hop inside the destination node
     local: Optional[RoutingPlan] = None     # the last hop: received rows routed to this rank's experts
+    local_idx_QK: Optional[torch.Tensor] = None     # the last hop: received rows' slots as local expert ids
     bound: Optional[int] = None             # bounded hop: rows sent to every rank (splits never read)
     overflow: Optional[torch.Tensor] = None  # bounded hop: pairs past the bound, summed over the ranks
 
@@ -173,17 +174,21 @@ def build_dedup_plan(expert_idx_TK: torch.Tensor, num_expert: int, exchange: str
         first = rank // ranks_per_node * ranks_per_node if node_group is not None else 0
         hop.inner = inner = build_bounded_hop(hop.expert_idx_QK, owner_E - first, node_group or group,
                                               world // ranks_per_node * bound, traffic, first, world)
-    local_idx_QK = torch.where(inner.expert_idx_QK >= 0, inner.expert_idx_QK - rank * num_expert, -1)
-    inner.local = RoutingPlan.build(local_idx_QK, num_expert, compact=bound is None)
+    inner.local_idx_QK = torch.where(inner.expert_idx_QK >= 0, inner.expert_idx_QK - rank * num_expert, -1)
+    inner.local = RoutingPlan.build(inner.local_idx_QK, num_expert, compact=bound is None)
     if bound is not None:
         hop.overflow = fc.wait_tensor(fc.all_reduce(hop.overflow, "sum", functional_group(group)))
     return hop
 
 
-def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend: Optional[str] = None):
+def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend: Optional[str] = None,
+            schedule: Optional[tuple] = None):
     """sum over destinations of the weighted expert outputs for the tokens x_TD (a tensor or a tree
     of them sharing the rows): the rows travel out, `experts(x_QD, local_plan, weight_QK)` runs on
-    the last hop's received rows, its output travels back."""
+    the last hop's received rows, its output travels back. `schedule`: (group size, the experts'
+    parameters) to pipeline a one-hop exchange as FasterMoE's smart schedule does."""
+    if schedule is not None:
+        return scheduled_hop(hop, x_TD, weight_TK, experts, backend, *schedule)
     what = f"{hop.layer}: deduplicated"
     empty = hop.bound is not None and hop.pairs.num_tokens == 0
     if empty:           # a bounded hop's padding, from no token at all
@@ -204,3 +209,26 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
         return tree_map(lambda t: t[:0] * 0, y_ND)
     return tree_map(lambda t: kernels.sum_rows(t, hop.pairs, backend), y_ND)
 
+
+
+def scheduled_hop(hop: Hop, x_TD: torch.Tensor, weight_TK: torch.Tensor, experts: Callable, backend, group_size: int,
+                  params) -> torch.Tensor:
+    """run_hop through the smart schedule (`fmoe.distributed.schedule`): the weights ride as K more
+    columns of the rows (in the rows' dtype), each received chunk is fanned out to the experts by
+    its own ids."""
+    from fmoe.distributed.schedule import scheduled_experts
+    if hop.inner is not None or hop.bound is not None:
+        raise ValueError("the smart schedule pipelines the rank exchange only (not 'node', not sync_free)")
+    D = x_TD.shape[1]
+    x_ND = kernels.permute(x_TD, hop.pairs, backend)
+    w_NK = weight_TK.index_select(0, hop.pairs.token_N).masked_fill(~hop.slot_mask_NK, 0)
+    x_aug = torch.cat([x_ND, w_NK.to(x_ND.dtype)], 1)
+    num_local = int(hop.local.counts_E.numel())
+
+    def chunk(x_chunk, rows):
+        local = RoutingPlan.build(hop.local_idx_QK.index_select(0, rows.to(hop.local_idx_QK.device)), num_local,
+                                  compact=True)
+        return experts(x_chunk[:, :D], local, x_chunk[:, D:].to(weight_TK.dtype))
+
+    y_ND = scheduled_experts(chunk, x_aug, hop, group_size, params)
+    return kernels.sum_rows(y_ND, hop.pairs, backend)
