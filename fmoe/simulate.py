@@ -60,20 +60,19 @@ def expert_shares(distribution: str, num_experts: int) -> torch.Tensor:
 def simulate_one(model: PerfModel, gpus: int, experts_per_gpu: int, tokens_per_gpu: int, top_k: int,
                  distribution: str, group_size: int, exchange: str = "slot") -> dict:
     """`exchange`: "slot" (one row per routed slot) or "rank" (deduplicated: its traffic is the
-    rows of distinct (token, rank) pairs; the smart schedule runs one row per slot, so the
-    scheduled strategies keep the slot exchange's traffic)."""
+    rows of distinct (token, rank) pairs, scheduled or not)."""
     shares_E = expert_shares(distribution, gpus * experts_per_gpu)
     counts_WE = (tokens_per_gpu * top_k * shares_E).expand(gpus, -1)
     steps = math.ceil(gpus / group_size)
     share_W = dedup_row_share(shares_E, top_k, gpus) if exchange == "rank" else None
     received_W = counts_WE.sum(0).reshape(gpus, -1).sum(1)      # rows each GPU's experts receive
     shadowed = model.choose_shadowed(counts_WE, row_share_W=share_W)
-    shadowed_scheduled = model.choose_shadowed(counts_WE, steps)
+    shadowed_scheduled = model.choose_shadowed(counts_WE, steps, row_share_W=share_W)
     times = {
         "plain": model.layer_time(counts_WE, row_share_W=share_W),
         "shadow": model.layer_time(counts_WE, shadowed, row_share_W=share_W),
-        "schedule": model.layer_time(counts_WE, schedule_steps=steps),
-        "both": model.layer_time(counts_WE, shadowed_scheduled, steps),
+        "schedule": model.layer_time(counts_WE, schedule_steps=steps, row_share_W=share_W),
+        "both": model.layer_time(counts_WE, shadowed_scheduled, steps, row_share_W=share_W),
     }
     return {"gpus": gpus, "distribution": distribution, "exchange": exchange, "seconds": times,
             "speedup": {k: times["plain"] / v for k, v in times.items()},
