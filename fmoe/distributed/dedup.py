@@ -88,15 +88,19 @@ def _all_to_all(x, send_splits, recv_splits, group, what):
     return out
 
 
+def destinations(expert_idx_TK: torch.Tensor, dest_of_E: torch.Tensor, world: int):
+    """(dest_TK: each slot's destination rank, -1 for none; reach_TW: token t goes to rank w)."""
+    live_TK = expert_idx_TK >= 0
+    dest_TK = torch.where(live_TK, dest_of_E[expert_idx_TK.clamp_min(0)], -1)
+    reach_TW = torch.zeros(expert_idx_TK.shape[0], world, dtype=torch.int64, device=expert_idx_TK.device)
+    return dest_TK, reach_TW.scatter_add(1, dest_TK.clamp_min(0), live_TK.long()) > 0
+
+
 def build_hop(expert_idx_TK: torch.Tensor, dest_of_E: torch.Tensor, group, traffic: Optional[Traffic]) -> Hop:
     """Agree on one hop: token t goes once to each rank dest_of_E[e] for its experts e (-1: none)."""
     world = dist.get_world_size(group)
-    T, K = expert_idx_TK.shape
-    live_TK = expert_idx_TK >= 0
-    dest_TK = torch.where(live_TK, dest_of_E[expert_idx_TK.clamp_min(0)], -1)
-    reach_TW = torch.zeros(T, world, dtype=torch.int64, device=expert_idx_TK.device)
-    reach_TW.scatter_add_(1, dest_TK.clamp_min(0), live_TK.long())
-    dest_TW = torch.where(reach_TW > 0, torch.arange(world, device=reach_TW.device), -1)
+    dest_TK, reach_TW = destinations(expert_idx_TK, dest_of_E, world)
+    dest_TW = torch.where(reach_TW, torch.arange(world, device=reach_TW.device), -1)
     pairs = RoutingPlan.build(dest_TW, world, compact=True)
     dest_N = pairs.slot_N % world
     slot_mask_NK = dest_TK.index_select(0, pairs.token_N) == dest_N[:, None]
@@ -121,10 +125,7 @@ def build_bounded_hop(expert_idx_TK: torch.Tensor, dest_of_E: torch.Tensor, grou
     world = dist.get_world_size(group)
     T, K = expert_idx_TK.shape
     device = expert_idx_TK.device
-    live_TK = expert_idx_TK >= 0
-    dest_TK = torch.where(live_TK, dest_of_E[expert_idx_TK.clamp_min(0)], -1)
-    reach_TW = torch.zeros(T, world, dtype=torch.int64, device=device)
-    reach_TW = reach_TW.scatter_add(1, dest_TK.clamp_min(0), live_TK.long()) > 0
+    dest_TK, reach_TW = destinations(expert_idx_TK, dest_of_E, world)
     place_TW = torch.cumsum(reach_TW.long(), 0) - 1          # the token's place among those going to w
     keep_TW = reach_TW & (place_TW < bound)
     rows = world * bound
