@@ -9,7 +9,7 @@ from tests.dist_utils import run_ranks
 
 
 @pytest.mark.parametrize("world,exchange,per_node", [(2, "rank", None), (4, "rank", None), (4, "node", 2),
-                                                     (8, "node", 4)])
+                                                     (8, "rank", None), (8, "node", 4)])
 def test_dedup_layer_equals_single_process(world, exchange, per_node):
     run_ranks(dist_workers.check_layer_matches_single_process, world, exchange, per_node)
 
@@ -60,9 +60,10 @@ def test_bad_options_name_the_argument():
         fmoe.FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=16, exchange="rank", max_tokens_per_rank=4)
 
 
-@pytest.mark.parametrize("world,exchange,per_node", [(2, "rank", None), (4, "node", 2)])
+# The bound: the most tokens a rank has in dist_workers.layer_cases (9, or 4 + world), so nothing overflows.
+@pytest.mark.parametrize("world,exchange,per_node", [(2, "rank", None), (4, "node", 2), (8, "node", 4)])
 def test_sync_free_layer_equals_single_process(world, exchange, per_node):
-    run_ranks(dist_workers.check_layer_matches_single_process, world, exchange, per_node, 10)
+    run_ranks(dist_workers.check_layer_matches_single_process, world, exchange, per_node, max(9, 4 + world))
 
 
 @pytest.mark.parametrize("world,exchange,per_node,bound", [(2, "rank", 2, 2), (4, "node", 2, 3)])
