@@ -348,3 +348,39 @@ def check_schedule_on_rank_equals_slot(rank, world):
     compare_variants(rank, world, 2, [], lambda w, e, k, h: build(w, e, k, h, expert=TinyExpert, schedule=True,
                                                                   exchange="rank"),
                      make_plain=lambda w, e, k, h: build(w, e, k, h, expert=TinyExpert))
+
+
+def check_tree_inputs_on_rank_equal_slot(rank, world):
+    """FastMoE's multi-input experts (a dict of tensors following x's routing) over the rank
+    exchange equal them over one row per slot: outputs and every gradient."""
+    from fmoe.layer import FMoE
+    from tests.test_fastmoe_compat import DictExperts, DictGate
+    results = []
+    for exchange in ("slot", "rank"):
+        torch.manual_seed(0)
+        moe = FMoE(num_expert=2, d_model=D, gate=DictGate, top_k=3, world_size=world, exchange=exchange)
+        torch.manual_seed(1 + rank)
+        moe.experts = DictExperts(2, D, H)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(5, D, generator=g, requires_grad=True)
+        z = torch.randn(5, D, generator=g, requires_grad=True)
+        out = moe({"x": x, "y": z})
+        (out["x"] * 2 + out["y"] ** 2).sum().backward()
+        results.append(([out["x"], out["y"], x.grad, z.grad], {n: p.grad for n, p in moe.named_parameters()}))
+    (a, ga), (b, gb) = results
+    for u, v in zip(a, b):
+        torch.testing.assert_close(v, u, atol=1e-5, rtol=1e-5)
+    assert ga.keys() == gb.keys()
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], atol=1e-5, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+def check_disagreeing_exchanges_raise_on_every_rank(rank, world):
+    layer = fmoe.FMoETransformerMLP(num_expert=2, d_model=D, d_hidden=H, top_k=2, world_size=world,
+                                    exchange="rank" if rank else "slot")
+    try:
+        layer(torch.randn(4, D))
+    except ValueError as err:
+        assert "disagree" in str(err) and "exchange" in str(err), err
+    else:
+        raise AssertionError("ranks with different exchanges did not raise")

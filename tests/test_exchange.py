@@ -113,3 +113,11 @@ def test_capacity_on_the_deduplicated_exchange(world, exchange, per_node):
 @pytest.mark.parametrize("world", [2, 4])
 def test_smart_schedule_on_the_rank_exchange(world):
     run_ranks(exchange_workers.check_schedule_on_rank_equals_slot, world)
+
+
+def test_tree_inputs_on_the_rank_exchange():
+    run_ranks(exchange_workers.check_tree_inputs_on_rank_equal_slot, 2)
+
+
+def test_disagreeing_exchanges_raise_on_every_rank():
+    run_ranks(exchange_workers.check_disagreeing_exchanges_raise_on_every_rank, 2)
