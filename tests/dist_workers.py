@@ -191,14 +191,19 @@ def train_no_aux(model, data, after_backward, lo, hi, per_rank_chunks=1):
         opt.step()
 
 
-def check_mismatch_raises(rank, world):
-    layer = fmoe.FMoETransformerMLP(num_expert=2 + rank, d_model=D, d_hidden=H, top_k=2, world_size=world)
+def expect_disagreement(layer, field: str):
+    """The layer's first forward raises on this rank, naming the field the ranks disagree on."""
     try:
         layer(torch.randn(4, D))
     except ValueError as err:
-        assert "disagree" in str(err) and "num_expert=2" in str(err), err
+        assert "disagree" in str(err) and field in str(err), err
     else:
-        raise AssertionError("a mismatched expert count did not raise")
+        raise AssertionError(f"ranks disagreeing on {field} did not raise")
+
+
+def check_mismatch_raises(rank, world):
+    expect_disagreement(fmoe.FMoETransformerMLP(num_expert=2 + rank, d_model=D, d_hidden=H, top_k=2,
+                                                world_size=world), "num_expert=2")
 
 
 def global_view(model, opt, moe_group=None):

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 import fmoe
-from tests.shadow_workers import FixedShadow, TinyExpert, build, compare_variants
+from tests.dist_workers import expect_disagreement
+from tests.shadow_workers import FixedShadow, TinyExpert, assert_same_results, build, compare_variants
 
 D, H = 8, 16
 
@@ -367,20 +368,9 @@ def check_tree_inputs_on_rank_equal_slot(rank, world):
         out = moe({"x": x, "y": z})
         (out["x"] * 2 + out["y"] ** 2).sum().backward()
         results.append(([out["x"], out["y"], x.grad, z.grad], {n: p.grad for n, p in moe.named_parameters()}))
-    (a, ga), (b, gb) = results
-    for u, v in zip(a, b):
-        torch.testing.assert_close(v, u, atol=1e-5, rtol=1e-5)
-    assert ga.keys() == gb.keys()
-    for n in ga:
-        torch.testing.assert_close(gb[n], ga[n], atol=1e-5, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+    assert_same_results(*results, f"rank {rank}")
 
 
 def check_disagreeing_exchanges_raise_on_every_rank(rank, world):
-    layer = fmoe.FMoETransformerMLP(num_expert=2, d_model=D, d_hidden=H, top_k=2, world_size=world,
-                                    exchange="rank" if rank else "slot")
-    try:
-        layer(torch.randn(4, D))
-    except ValueError as err:
-        assert "disagree" in str(err) and "exchange" in str(err), err
-    else:
-        raise AssertionError("ranks with different exchanges did not raise")
+    expect_disagreement(fmoe.FMoETransformerMLP(num_expert=2, d_model=D, d_hidden=H, top_k=2, world_size=world,
+                                                exchange="rank" if rank else "slot"), "exchange")
