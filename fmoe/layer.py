@@ -1,5 +1,7 @@
 """FMoE: gate -> plan -> permute -> (exchange) -> experts -> (exchange) -> unpermute."""
+import contextlib
 import dataclasses
+import warnings
 from typing import Optional
 
 import torch
@@ -9,8 +11,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fmoe import kernels
 from fmoe.autocast import autocast_dtype
-from fmoe.distributed import exchange
+from fmoe.distributed import dedup, exchange
 from fmoe.distributed.check import check_expert_parallel_config
+from fmoe.distributed.exchange import Traffic, ranks_per_node_of
+from fmoe.distributed.groups import NodeGroup
 from fmoe.distributed.schedule import group_size_from_env, schedule_enabled_by_env, scheduled_experts
 from fmoe.distributed.shadow import BufferPool, ShadowPull, make_shadow_policy
 from fmoe.distributed.slicing import gather_rows, slice_rows
@@ -19,6 +23,7 @@ from fmoe.experts import GroupedExperts, ModuleListExperts, check_recompute
 from fmoe.fastmoe_state import rename_router, stack_experts
 from fmoe.gates import BaseGate, NaiveGate, make_gate
 from fmoe.gates.base import Routing, accepts_keyword, routing_from_fastmoe_gate
+from fmoe.gates.load_state import in_recompute
 from fmoe.routing import RoutingPlan
 from fmoe.stats import RoutingTally
 
@@ -98,7 +103,8 @@ class FMoE(nn.Module):
                  moe_group=None, top_k=2, gate=NaiveGate, expert=None, gate_hook=None, mask=None, mask_dict=None,
                  gate_bias=True, d_hidden=None, activation="gelu", expert_bias=True, gate_kwargs=None,
                  backend: Optional[str] = None, shadow=None, schedule=None, schedule_group_size=None,
-                 shared_expert=None, shared_expert_gate=False, fp32_combine=False, recompute="activation"):
+                 shared_expert=None, shared_expert_gate=False, fp32_combine=False, recompute="activation",
+                 exchange="slot", ranks_per_node=None, sync_free=False, max_tokens_per_rank=None):
         super().__init__()
         self.recompute = check_recompute(recompute)
         positive_int("d_model", d_model)
@@ -117,6 +123,8 @@ class FMoE(nn.Module):
         kernels.check_backend(backend)      # a typo here (or in FMOE_BACKEND) fails now, not at the first forward
         self.backend = backend
         gate_kwargs = dict(gate_kwargs or {})
+        if gate_kwargs.get("max_nodes") is not None:     # node-limited routing: the gate's nodes are the layer's
+            gate_kwargs.setdefault("ranks_per_node", ranks_per_node_of(self.world_size, ranks_per_node))
         if isinstance(gate, str) or isinstance(gate, type) and accepts_keyword(gate, "gate_bias"):
             gate_kwargs.setdefault("gate_bias", gate_bias)
         if is_plain_module_gate(gate):
@@ -155,6 +163,20 @@ class FMoE(nn.Module):
                                                 else group_size_from_env())
         self.shadow_policy = make_shadow_policy(shadow, d_model, self.experts, num_expert, self.world_size)
         self.shadow_buffers = BufferPool()     # shadowing's flat buffers, kept from step to step
+        self.exchange = dedup.check_exchange(exchange)
+        if self.exchange == "node" and self.schedule:
+            raise ValueError("exchange='node' does not run under the smart schedule (schedule=True or "
+                             "FMOE_FASTER_SCHEDULE_ENABLE=1), which pipelines one exchange over the ranks: "
+                             "pass exchange='rank' or 'slot'")
+        self.ranks_per_node = ranks_per_node_of(self.world_size, ranks_per_node)
+        self.traffic = None if self.world_size == 1 else Traffic(self.moe_rank, self.ranks_per_node)
+        self.sync_free, self.max_tokens_per_rank = check_sync_free(sync_free, max_tokens_per_rank, self.exchange,
+                                                                   self.shadow_policy, self.schedule)
+        self.last_overflow = None       # sync_free: (token, rank) pairs past the bound in the last forward
+        # The bounded node exchange pads its hop inside a node to every rank of it: a node's own group.
+        self.node_group = (NodeGroup(moe_group, self.ranks_per_node)
+                           if self.sync_free and self.exchange == "node" and self.ranks_per_node < self.world_size
+                           else None)
         self.gate_hook = gate_hook
         self.aux_loss = None
         self.last_counts_E = None
@@ -254,14 +276,23 @@ class FMoE(nn.Module):
         `x` is the rows [T, D] (or FastMoE's tree of row tensors), `x_TD` its first tensor.
         """
         routing = self.route(x, x_TD)
-        plan = RoutingPlan.build(routing.expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
-                                 self.shadow_policy)
-        if self.runs_lean(x, plan):
-            y_TD = self.lean_experts(x_TD, plan, routing.weight_TK)
-        else:
-            x_ND = tree_map(lambda t: kernels.permute(t, plan, self.backend), x)
-            y_ND = self.checked(self.run_experts(x_ND, plan))
-            y_TD = tree_map(lambda t: kernels.unpermute(t, plan, routing.weight_TK, self.backend), y_ND)
+        if self.traffic is not None and not in_recompute():
+            self.traffic.reset()
+        forced = self.sync_free and not torch.compiler.is_compiling()     # compiled: sync-free anyway
+        with kernels.forced_sync_free() if forced else contextlib.nullcontext():
+            plan = RoutingPlan.build(routing.expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
+                                     self.shadow_policy, exchange=self.exchange, ranks_per_node=self.ranks_per_node,
+                                     traffic=self.traffic, bound=self.max_tokens_per_rank if self.sync_free else None,
+                                     node_group=self.node_group and self.node_group.group)
+            if plan.dedup is not None:
+                self.last_overflow = plan.dedup.overflow
+                y_TD = self.dedup_experts(x, plan, routing.weight_TK)
+            elif self.runs_lean(x, plan):
+                y_TD = self.lean_experts(x_TD, plan, routing.weight_TK)
+            else:
+                x_ND = tree_map(lambda t: kernels.permute(t, plan, self.backend), x)
+                y_ND = self.checked(self.run_experts(x_ND, plan))
+                y_TD = tree_map(lambda t: kernels.unpermute(t, plan, routing.weight_TK, self.backend), y_ND)
         if self.mask_dict is not None:
             y_TD = tree_map(lambda t: self.add_masked(t, x_TD, routing.weight_TK), y_TD)
         if self.shared_experts is not None:
@@ -279,8 +310,8 @@ class FMoE(nn.Module):
         if isinstance(moe_inp, torch.Tensor):
             self.check_input(moe_inp)
         leaves, spec, lead = self.leaves_of(moe_inp)
-        if self.world_size > 1:
-            self.check_with_peers(leaves[0])
+        if self.world_size > 1 and not (torch.compiler.is_compiling() and self.layer_index is not None):
+            self.check_with_peers(leaves[0])    # once checked, a compiled forward leaves it out (fullgraph)
         rows = [t.reshape(-1, t.shape[-1]) for t in leaves]
         if self.slice_group is not None:
             rows = [slice_rows(t, self.slice_group) for t in rows]
@@ -362,9 +393,49 @@ class FMoE(nn.Module):
         else:
             # The permuted rows only travel; the received ones are the experts' input, kept once.
             x_RD = exchange.dispatch(kernels.permute(x_TD, plan, self.backend), plan)
-            weight_R = exchange.dispatch(weight_N[:, None], plan)[:, 0]
+            weight_R = exchange.dispatch(weight_N[:, None], plan, "routing")[:, 0]
             y_ND = exchange.combine(self.experts.weighted(x_RD, plan.local_counts_e, weight_R), plan)
         return kernels.sum_rows(y_ND, plan, self.backend).to(autocast_dtype(x_TD) or x_TD.dtype)
+
+    def weighted_experts(self, x_TD, plan: RoutingPlan, weight_TK, run=None):
+        """sum over k of weight_TK[t, k] * expert(x_TD[t]) for the experts of a one-rank `plan`,
+        run by `run(x_ND, counts_e)` (default: `expert_fn`, lean where it can be)."""
+        if run is None and self.runs_lean(x_TD, plan):
+            return self.lean_experts(x_TD, plan, weight_TK)
+        x_ND = tree_map(lambda t: kernels.permute(t, plan, self.backend), x_TD)
+        y_ND = self.checked((run or self.expert_fn)(x_ND, plan.counts_E))
+        return tree_map(lambda t: kernels.unpermute(t, plan, weight_TK, self.backend), y_ND)
+
+    def dedup_experts(self, x_TD, plan: RoutingPlan, weight_TK):
+        """The routed experts' weighted sum per token over the rank or node exchange
+        (`fmoe.distributed.dedup`), plus the shadowed experts', computed at home."""
+        if (self.shadow_policy is not None or self.schedule) and (not isinstance(x_TD, torch.Tensor)
+                                                                  or type(self).expert_fn is not FMoE.expert_fn):
+            raise ValueError("shadow / schedule need a single input tensor and the default expert_fn")
+        if self.schedule and self.fp32_combine and x_TD.dtype != torch.float32:
+            raise ValueError(f"schedule=True with exchange='rank' sends the routing weights in the rows' dtype "
+                             f"({x_TD.dtype}): it cannot keep fp32_combine=True's fp32 weights; use fp32 input")
+        # The pull starts first, so it travels while the other rows are dispatched and computed.
+        pull = None if plan.shadow is None else ShadowPull(self.experts, plan.shadow, self.num_expert,
+                                                           self.moe_group, self.shadow_policy.overlap,
+                                                           fold=not self.schedule, pool=self.shadow_buffers)
+        run_here = None if pull is None or self.schedule else pull.run_local
+        schedule = (self.schedule_group_size, list(self.experts.parameters())) if self.schedule else None
+        y_TD = dedup.run_hop(plan.dedup, x_TD, weight_TK,
+                             lambda x_QD, local, w_QK: self.weighted_experts(x_QD, local, w_QK, run_here),
+                             self.backend, schedule)
+        if pull is None:
+            return y_TD
+        return y_TD + self.weighted_experts(x_TD, plan.home, weight_TK, lambda x_SD, counts_S: pull.forward(x_SD))
+
+    @property
+    def traffic_bytes(self) -> dict:
+        """Bytes this rank sent to other ranks in the last forward and its backward (so far):
+        `[kind][pass][locality]`, kind "dispatch" (token rows out), "combine" (expert outputs
+        back) or "routing" (counts, expert ids, routing weights), pass "forward" / "backward",
+        locality "intra_node" / "inter_node" (nodes of `ranks_per_node` ranks). {} on one rank."""
+        return {} if self.traffic is None else {k: {p: dict(by_loc) for p, by_loc in by_pass.items()}
+                                                for k, by_pass in self.traffic.bytes.items()}
 
     def run_experts(self, x_ND, plan: RoutingPlan):
         """Rows in expert order -> expert outputs in the same order, wherever the experts live."""
@@ -412,9 +483,42 @@ class FMoE(nn.Module):
         return {} if tally is None else tally.stats()
 
     @property
+    def num_overflowed(self) -> int:
+        """sync_free: the (token, rank) pairs that did not fit `max_tokens_per_rank` in the last
+        forward, summed over the ranks (the same on every rank); their slots added nothing. Reading
+        it waits for the device; a warning says so when it is not 0."""
+        if self.last_overflow is None:
+            return 0
+        n = int(self.last_overflow)
+        if n:
+            warnings.warn(f"{self.label}: {n} (token, rank) pairs over all ranks exceeded max_tokens_per_rank="
+                          f"{self.max_tokens_per_rank} in the last forward and were dropped (raise the bound)")
+        return n
+
+    @property
     def num_dropped(self) -> int:
         """Slots dropped by the capacity limit in the last forward."""
         return 0 if self.last_num_dropped is None else int(self.last_num_dropped)
+
+
+def check_sync_free(sync_free, max_tokens_per_rank, exchange: str, shadow_policy, schedule: bool = False):
+    """(sync_free, max_tokens_per_rank) checked: the sync-free exchange is a bounded rank or node one."""
+    if not isinstance(sync_free, bool):
+        raise ValueError(f"sync_free must be a bool, got {sync_free!r}")
+    if not sync_free:
+        if max_tokens_per_rank is not None:
+            raise ValueError("max_tokens_per_rank bounds the sync-free exchange: pass sync_free=True with it")
+        return False, None
+    positive_int("max_tokens_per_rank", max_tokens_per_rank,
+                 " (sync_free=True: the rows each rank sends each rank, the same on every rank)")
+    if exchange == "slot":
+        raise ValueError("sync_free=True needs exchange='rank' or 'node' (the bounded deduplicated exchange), "
+                         "got exchange='slot'")
+    if shadow_policy is not None:
+        raise ValueError("sync_free=True cannot shadow: the shadowing policy chooses experts on the host")
+    if schedule:
+        raise ValueError("sync_free=True does not run under the smart schedule, whose pipeline reads the splits")
+    return True, max_tokens_per_rank
 
 
 def make_shared_experts(shared_expert, d_model: int, activation, bias: bool,

@@ -27,6 +27,12 @@ worker's compute is instead the sum, over the experts it runs, of that curve at 
 (linear between the measured points and along the end segments beyond them); it then replaces
 compute(B) and `time_per_expert`.
 
+The deduplicated exchange (`exchange="rank"`) moves one row per token and destination rank, not
+one per routed slot: a worker's traffic is then `row_share_W` times its rows, that share (at
+most 1) the rows it would receive deduplicated over the rows it receives one per slot
+(`dedup_row_share` estimates it from the routing's distribution). Shadowing a set of experts
+is taken to shrink the deduplicated rows in the same proportion as the slots.
+
 The smart schedule splits the exchange into `steps` chunks and pipelines the three stages of
 each pass (rows out, compute, rows back; forward, then backward with twice the compute): a
 pipeline of stages a, b, c over n chunks takes (a + b + c) / n + (n - 1) * max(a, b, c) / n.
@@ -84,12 +90,13 @@ class PerfModel:
         push = self.push_bandwidth or self.net_bandwidth
         return num_shadowed * self.expert_bytes * (1 / pull + 1 / push)
 
-    def worker_time(self, rows, schedule_steps: int = 1, compute=None):
+    def worker_time(self, rows, schedule_steps: int = 1, compute=None, row_share=1.0):
         """One worker's compute and traffic; pipelined over `schedule_steps` chunks (1: in turn).
         `compute`: the compute time when known otherwise (the expert curve); else compute(rows).
+        `row_share`: the part of the rows that travel (the deduplicated exchange's).
         Floats or tensors of the same shape."""
         compute = self.compute_time(rows) if compute is None else compute
-        traffic = self.traffic_time(rows)
+        traffic = self.traffic_time(rows * row_share)
         forward = pipeline_time([traffic / 4, compute / 3, traffic / 4], schedule_steps)
         backward = pipeline_time([traffic / 4, 2 * compute / 3, traffic / 4], schedule_steps)
         return forward + backward
@@ -145,20 +152,26 @@ class PerfModel:
         rows_RWE = torch.where(home_RE[:, None, :], counts_WE[None], owned_WE[None] * counts_WE.sum(0))
         return torch.where(runs_RWE, self.expert_time(rows_RWE), 0.0).sum(-1)
 
-    def _times(self, counts_WE: torch.Tensor, home_RE: torch.Tensor, schedule_steps: int) -> torch.Tensor:
+    def _times(self, counts_WE: torch.Tensor, home_RE: torch.Tensor, schedule_steps: int,
+               row_share_W: Optional[torch.Tensor] = None) -> torch.Tensor:
         """time_R: the slowest worker's time in each shadow set, plus the sets' shadowing costs."""
         rows_RW = self._rows(counts_WE, home_RE)
-        workers_RW = self.worker_time(rows_RW, schedule_steps, compute=self._compute(counts_WE, home_RE))
+        share = 1.0 if row_share_W is None else row_share_W.to(rows_RW)
+        workers_RW = self.worker_time(rows_RW, schedule_steps, compute=self._compute(counts_WE, home_RE),
+                                      row_share=share)
         return workers_RW.max(1).values + self.shadow_cost(1) * home_RE.sum(1)
 
-    def layer_time(self, counts_WE: torch.Tensor, shadowed: Sequence[int] = (), schedule_steps: int = 1) -> float:
-        """Modelled time of the layer: Lat_imbl with no shadowed experts, Lat_shadow(r) otherwise."""
+    def layer_time(self, counts_WE: torch.Tensor, shadowed: Sequence[int] = (), schedule_steps: int = 1,
+                   row_share_W: Optional[torch.Tensor] = None) -> float:
+        """Modelled time of the layer: Lat_imbl with no shadowed experts, Lat_shadow(r) otherwise;
+        `row_share_W`: the deduplicated exchange's share of each worker's rows that travel."""
         counts_WE = counts_WE.double()
         own_rows = float(counts_WE.sum(1).max())
-        return float(self._times(counts_WE, self._home(counts_WE, [shadowed]), schedule_steps)[0]) \
+        return float(self._times(counts_WE, self._home(counts_WE, [shadowed]), schedule_steps, row_share_W)[0]) \
             + self.overhead_per_row * own_rows
 
-    def choose_shadowed(self, counts_WE: torch.Tensor, schedule_steps: int = 1) -> List[int]:
+    def choose_shadowed(self, counts_WE: torch.Tensor, schedule_steps: int = 1,
+                        row_share_W: Optional[torch.Tensor] = None) -> List[int]:
         """Algorithm 1: hottest experts first, shadowed one by one while the modelled time falls.
 
         Vectorised over the E + 1 prefixes of the hottest-first order, in chunks of them when the
@@ -174,13 +187,30 @@ class PerfModel:
             r_R = torch.arange(start, min(E + 1, start + chunk), device=counts_WE.device)
             prefix_RE = r_R[:, None] > torch.arange(E, device=counts_WE.device)
             home_RE = torch.zeros_like(prefix_RE).scatter(1, order_E.expand(len(r_R), E), prefix_RE)
-            times.append(self._times(counts_WE, home_RE, schedule_steps))
+            times.append(self._times(counts_WE, home_RE, schedule_steps, row_share_W))
             if start + chunk <= E and bool((times[-1][1:] >= times[-1][:-1]).any()):
                 break                                   # the time already stopped falling in this chunk
         time_R = torch.cat(times)
         falls_R = time_R[1:] < time_R[:-1]
         num_shadowed = torch.cumprod(falls_R.long(), 0).sum()
         return order_E[:num_shadowed].tolist()
+
+
+def dedup_row_share(shares_E: torch.Tensor, top_k: int, workers: int, samples: int = 4096,
+                    seed: int = 0) -> torch.Tensor:
+    """row_share_W: rows each worker receives one per (token, worker) over those it receives one
+    per slot, for tokens choosing `top_k` distinct experts from `shares_E` (a Gumbel top-k
+    sample of `samples` tokens; experts in equal consecutive blocks per worker)."""
+    E = shares_E.numel()
+    if E % workers or not 1 <= top_k <= E:
+        raise ValueError(f"dedup_row_share: {E} experts over {workers} workers, top_k={top_k}")
+    g = torch.Generator().manual_seed(seed)
+    gumbel = -torch.log(-torch.log(torch.rand(samples, E, generator=g, dtype=torch.double).clamp_min(1e-300)))
+    experts_SK = torch.topk(shares_E.double().log() + gumbel, top_k, dim=-1).indices
+    owner_SK = experts_SK // (E // workers)
+    slots_W = torch.bincount(owner_SK.reshape(-1), minlength=workers).double()
+    reached_SW = torch.zeros(samples, workers, dtype=torch.double).scatter_(1, owner_SK, 1.0)
+    return torch.where(slots_W > 0, reached_SW.sum(0) / slots_W.clamp_min(1), 1.0)
 
 
 def pipeline_time(stages: Sequence, steps: int):

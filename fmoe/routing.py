@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from fmoe.distributed.exchange import ExchangePlan, build_exchange_plan
+from fmoe.distributed.exchange import ExchangePlan, Traffic, build_exchange_plan
 from fmoe.distributed.shadow import ShadowPlan
 
 
@@ -28,8 +28,10 @@ class RoutingPlan:
     token_N: torch.Tensor           # token of each row
     row_of_slot_TK: torch.Tensor    # row of each slot, -1 where the slot was dropped
     counts_E: torch.Tensor          # rows per expert (global ids)
-    exchange: Optional[ExchangePlan] = None   # splits and order across ranks; None on one rank
+    exchange: Optional[ExchangePlan] = None   # splits and order across ranks (one row per slot)
     shadow: Optional[ShadowPlan] = None       # experts computed at home with pulled parameters
+    dedup: Optional["Hop"] = None             # the rank / node exchange instead (fmoe.distributed.dedup)
+    home: Optional["RoutingPlan"] = None      # with dedup and shadowing: the shadowed slots, by shadow order
 
     @property
     def local_counts_e(self) -> torch.Tensor:
@@ -40,11 +42,21 @@ class RoutingPlan:
     def num_shadow_rows(self) -> int:
         return 0 if self.shadow is None else self.shadow.num_rows
 
+    @property
+    def across_ranks(self) -> bool:
+        return self.exchange is not None or self.dedup is not None
+
     @classmethod
     def build(cls, expert_idx_TK: torch.Tensor, num_experts: int, world_size: int = 1,
-              group=None, shadow_policy=None) -> "RoutingPlan":
+              group=None, shadow_policy=None, *, compact: bool = False, exchange: str = "slot",
+              ranks_per_node: Optional[int] = None, traffic: Optional[Traffic] = None,
+              bound: Optional[int] = None, node_group=None) -> "RoutingPlan":
         """Sort slots by expert; with `world_size` > 1, also agree with the other ranks on the
-        exchange and, given a shadow policy, on the experts to shadow."""
+        exchange (`exchange`: "slot", one row per slot, or "rank" / "node", deduplicated, see
+        `fmoe.distributed.dedup`) and, given a shadow policy, on the experts to shadow.
+        `compact`: on one rank too, rows only for kept slots (reads their number on the host).
+        `bound`, `node_group`: the deduplicated exchange's bounded, sync-free hops (`fmoe.distributed.dedup`)."""
+        exchange_kind = exchange
         T, K = expert_idx_TK.shape
         idx_S = expert_idx_TK.reshape(-1)
         live_S = idx_S >= 0
@@ -66,16 +78,29 @@ class RoutingPlan:
                 shadow = ShadowPlan(experts_S, counts_E[shadowed])
         key_S = torch.where(live_S, key_of_E[idx_S.clamp_min(0)], torch.full_like(idx_S, 2 * num_experts))
         order_S = torch.sort(key_S, stable=True).indices
-        num_rows = idx_S.numel() if world_size == 1 else int(counts_E.sum())
+        # The deduplicated exchange sends by its own plan: this one's rows stay as on one rank.
+        rows_of_all_slots = (world_size == 1 or exchange_kind != "slot") and not compact
+        num_rows = idx_S.numel() if rows_of_all_slots else int(counts_E.sum())
         slot_N = order_S[:num_rows]
         row_of_slot_S = torch.full_like(idx_S, -1).scatter_(0, slot_N, torch.arange(num_rows, device=idx_S.device))
         row_of_slot_S = torch.where(live_S, row_of_slot_S, -1)
-        exchange = None
-        if world_size > 1:
+        exchange = dedup = home = None
+        if world_size > 1 and exchange_kind == "slot":
             sent_counts_E = counts_E.clone()
             if shadow is not None:
                 sent_counts_E[torch.tensor(shadow.experts_S, device=idx_S.device)] = 0
-            exchange = build_exchange_plan(sent_counts_E, world_size, group)
+            exchange = build_exchange_plan(sent_counts_E, world_size, group, traffic)
+        elif world_size > 1:
+            from fmoe.distributed.dedup import build_dedup_plan
+            sent_idx_TK = expert_idx_TK
+            if shadow is not None:
+                shadow_of_E = key_of_E - num_experts        # position in the shadow order, else < 0
+                shadowed_TK = live_S.view(T, K) & (shadow_of_E[expert_idx_TK.clamp_min(0)] >= 0)
+                sent_idx_TK = expert_idx_TK.masked_fill(shadowed_TK, -1)
+                home_idx_TK = torch.where(shadowed_TK, shadow_of_E[expert_idx_TK.clamp_min(0)], -1)
+                home = cls.build(home_idx_TK, len(shadow.experts_S), compact=True)
+            dedup = build_dedup_plan(sent_idx_TK, num_experts // world_size, exchange_kind, ranks_per_node,
+                                     group, traffic, bound, node_group)
         return cls(
             num_tokens=T,
             top_k=K,
@@ -86,4 +111,6 @@ class RoutingPlan:
             counts_E=counts_E,
             exchange=exchange,
             shadow=shadow,
+            dedup=dedup,
+            home=home,
         )

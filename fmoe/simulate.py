@@ -27,7 +27,7 @@ import torch
 
 from fmoe.files import save_figure, write_json
 from fmoe.calibration import calibrate
-from fmoe.perfmodel import PerfModel
+from fmoe.perfmodel import PerfModel, dedup_row_share
 
 STRATEGIES = ("plain", "shadow", "schedule", "both")
 # FasterMoE (PPoPP'22): shadowing + smart schedule, one MoE layer, V100s.
@@ -58,20 +58,25 @@ def expert_shares(distribution: str, num_experts: int) -> torch.Tensor:
 
 
 def simulate_one(model: PerfModel, gpus: int, experts_per_gpu: int, tokens_per_gpu: int, top_k: int,
-                 distribution: str, group_size: int) -> dict:
+                 distribution: str, group_size: int, exchange: str = "slot") -> dict:
+    """`exchange`: "slot" (one row per routed slot) or "rank" (deduplicated: its traffic is the
+    rows of distinct (token, rank) pairs, scheduled or not)."""
     shares_E = expert_shares(distribution, gpus * experts_per_gpu)
     counts_WE = (tokens_per_gpu * top_k * shares_E).expand(gpus, -1)
     steps = math.ceil(gpus / group_size)
-    shadowed = model.choose_shadowed(counts_WE)
-    shadowed_scheduled = model.choose_shadowed(counts_WE, steps)
+    share_W = dedup_row_share(shares_E, top_k, gpus) if exchange == "rank" else None
+    received_W = counts_WE.sum(0).reshape(gpus, -1).sum(1)      # rows each GPU's experts receive
+    shadowed = model.choose_shadowed(counts_WE, row_share_W=share_W)
+    shadowed_scheduled = model.choose_shadowed(counts_WE, steps, row_share_W=share_W)
     times = {
-        "plain": model.layer_time(counts_WE),
-        "shadow": model.layer_time(counts_WE, shadowed),
-        "schedule": model.layer_time(counts_WE, schedule_steps=steps),
-        "both": model.layer_time(counts_WE, shadowed_scheduled, steps),
+        "plain": model.layer_time(counts_WE, row_share_W=share_W),
+        "shadow": model.layer_time(counts_WE, shadowed, row_share_W=share_W),
+        "schedule": model.layer_time(counts_WE, schedule_steps=steps, row_share_W=share_W),
+        "both": model.layer_time(counts_WE, shadowed_scheduled, steps, row_share_W=share_W),
     }
-    return {"gpus": gpus, "distribution": distribution, "seconds": times,
+    return {"gpus": gpus, "distribution": distribution, "exchange": exchange, "seconds": times,
             "speedup": {k: times["plain"] / v for k, v in times.items()},
+            "rows_vs_slot": 1.0 if share_W is None else float((share_W * received_W).sum() / received_W.sum()),
             "shadowed_experts": len(shadowed), "shadowed_experts_with_schedule": len(shadowed_scheduled)}
 
 
@@ -256,6 +261,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--bytes-per-element", type=int, default=2, help="2 for bf16/fp16 activations, 4 for fp32")
     p.add_argument("--group-size", type=int, default=4, help="ranks per step of the smart schedule")
     p.add_argument("--dist", nargs="+", default=["uniform", "zipf:1.2", "hot:0.5"])
+    p.add_argument("--exchange", choices=["slot", "rank"], default="slot",
+                   help="the plain and shadowed layer's exchange: one row per slot, or per (token, rank)")
     p.add_argument("--out", default="runs/simulate", help="folder for simulate.json and simulate.png")
     p.add_argument("--calibrate", action="store_true", help="measure --flops and --net-bw on this machine first")
     p.add_argument("--compare", metavar="BENCH_JSON",
@@ -288,15 +295,17 @@ def run(args) -> List[dict]:
     model = PerfModel(args.d_model, args.d_hidden, flops=args.flops, net_bandwidth=args.net_bw,
                       bytes_per_element=args.bytes_per_element)
     group = min(args.group_size, args.gpus_per_node)
-    rows = [simulate_one(model, g, args.experts_per_gpu, args.tokens_per_gpu, args.top_k, d, group)
+    rows = [simulate_one(model, g, args.experts_per_gpu, args.tokens_per_gpu, args.top_k, d, group, args.exchange)
             for d in args.dist for g in args.gpus]
     print(f"modelled MoE layer step (ms), d_model {args.d_model}, d_hidden {args.d_hidden}, "
-          f"{args.tokens_per_gpu} tokens/GPU, top-{args.top_k}, {args.flops:.3g} FLOP/s, {args.net_bw:.3g} B/s")
-    print(f"{'dist':>10s}{'GPUs':>6s}" + "".join(f"{s:>10s}" for s in STRATEGIES) + f"{'shadow x':>10s}{'sched x':>9s}{'both x':>8s}")
+          f"{args.tokens_per_gpu} tokens/GPU, top-{args.top_k}, {args.flops:.3g} FLOP/s, {args.net_bw:.3g} B/s, "
+          f"{args.exchange} exchange")
+    print(f"{'dist':>10s}{'GPUs':>6s}" + "".join(f"{s:>10s}" for s in STRATEGIES) + f"{'shadow x':>10s}{'sched x':>9s}"
+          f"{'both x':>8s}{'rows x slot':>12s}")
     for r in rows:
         t, s = r["seconds"], r["speedup"]
         print(f"{r['distribution']:>10s}{r['gpus']:>6d}" + "".join(f"{t[k] * 1e3:10.2f}" for k in STRATEGIES)
-              + f"{s['shadow']:10.2f}{s['schedule']:9.2f}{s['both']:8.2f}")
+              + f"{s['shadow']:10.2f}{s['schedule']:9.2f}{s['both']:8.2f}{r['rows_vs_slot']:12.3f}")
     paper = paper_rows(args, model, min(args.group_size, 8)) if args.paper else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

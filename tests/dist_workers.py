@@ -13,8 +13,9 @@ from fmoe.distributed.groups import make_groups
 D, H = 8, 16
 
 
-def build_pair(gate, top_k, e, world, rank, gate_bias=None, group=None, **layer_kwargs):
-    """The same layer twice: all experts in one process, and this rank's share of expert parallelism."""
+def build_pair(gate, top_k, e, world, rank, gate_bias=None, group=None, ep_kwargs=None, **layer_kwargs):
+    """The same layer twice: all experts in one process, and this rank's share of expert parallelism
+    (`ep_kwargs`: options of that one alone)."""
     torch.manual_seed(0)
     kw = dict(d_model=D, d_hidden=H, top_k=top_k, gate=gate, **layer_kwargs)
     if gate in ("gshard", "switch"):
@@ -23,7 +24,7 @@ def build_pair(gate, top_k, e, world, rank, gate_bias=None, group=None, **layer_
     if gate_bias is not None:
         with torch.no_grad():
             full.gate.gate.proj.bias.copy_(torch.tensor(gate_bias))
-    ep = fmoe.FMoETransformerMLP(num_expert=e, world_size=world, moe_group=group, **kw)
+    ep = fmoe.FMoETransformerMLP(num_expert=e, world_size=world, moe_group=group, **kw, **(ep_kwargs or {}))
     ep.gate.load_state_dict(full.gate.state_dict())
     with torch.no_grad():
         for name, p in ep.experts.named_parameters():
@@ -51,9 +52,12 @@ def layer_cases(rank, world):
     ]
 
 
-def check_layer_matches_single_process(rank, world):
+def check_layer_matches_single_process(rank, world, exchange="slot", ranks_per_node=None, max_tokens_per_rank=None):
+    """`max_tokens_per_rank`: the sync-free exchange with that bound (no case reaches it)."""
+    bounded = {} if max_tokens_per_rank is None else dict(sync_free=True, max_tokens_per_rank=max_tokens_per_rank)
     for gate, top_k, e, tokens, bias in layer_cases(rank, world):
-        full, ep = build_pair(gate, top_k, e, world, rank, bias)
+        full, ep = build_pair(gate, top_k, e, world, rank, bias, exchange=exchange, ranks_per_node=ranks_per_node,
+                              ep_kwargs=bounded)
         g = torch.Generator().manual_seed(42)
         x_all = torch.randn(sum(tokens), D, generator=g)
         probe = torch.randn(sum(tokens), D, generator=g)
@@ -64,8 +68,9 @@ def check_layer_matches_single_process(rank, world):
         x = x_all.detach()[lo:hi].clone().requires_grad_(True)
         out = ep(x)
         (out * probe[lo:hi]).sum().backward()
-        ctx = f"{gate} top{top_k} e{e} tokens{tokens} rank{rank}"
+        ctx = f"{exchange} exchange (bound {max_tokens_per_rank}): {gate} top{top_k} e{e} tokens{tokens} rank{rank}"
         torch.testing.assert_close(out, out_all[lo:hi], atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} out: {m}")
+        assert ep.num_overflowed == 0, ctx
         torch.testing.assert_close(x.grad, x_all.grad[lo:hi], atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} dx: {m}")
         for name, p in ep.experts.named_parameters():
             ref = getattr(full.experts, name).grad[rank * e:(rank + 1) * e]
@@ -186,14 +191,19 @@ def train_no_aux(model, data, after_backward, lo, hi, per_rank_chunks=1):
         opt.step()
 
 
-def check_mismatch_raises(rank, world):
-    layer = fmoe.FMoETransformerMLP(num_expert=2 + rank, d_model=D, d_hidden=H, top_k=2, world_size=world)
+def expect_disagreement(layer, field: str):
+    """The layer's first forward raises on this rank, naming the field the ranks disagree on."""
     try:
         layer(torch.randn(4, D))
     except ValueError as err:
-        assert "disagree" in str(err) and "num_expert=2" in str(err), err
+        assert "disagree" in str(err) and field in str(err), err
     else:
-        raise AssertionError("a mismatched expert count did not raise")
+        raise AssertionError(f"ranks disagreeing on {field} did not raise")
+
+
+def check_mismatch_raises(rank, world):
+    expect_disagreement(fmoe.FMoETransformerMLP(num_expert=2 + rank, d_model=D, d_hidden=H, top_k=2,
+                                                world_size=world), "num_expert=2")
 
 
 def global_view(model, opt, moe_group=None):

@@ -48,6 +48,16 @@ def build(world, e, top_k, hot, expert=None, activation="gelu", **kw):
     return layer
 
 
+def assert_same_results(first, second, ctx: str = ""):
+    """Two runs' (tensors, {name: gradient}) equal to 1e-5: the tensors in order, the same gradients."""
+    (t0, g0), (t1, g1) = first, second
+    for a, b in zip(t0, t1, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx}: {m}")
+    assert g0.keys() == g1.keys(), (ctx, g0.keys(), g1.keys())
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} {n}: {m}")
+
+
 def compare_variants(rank, world, top_k, hot, make_variant, make_plain=build, exact=False):
     """The plain expert-parallel layer (`make_plain`) against `make_variant(...)`: outputs, all
     gradients, and parameters after one SGD step; `exact`: bitwise."""
@@ -300,12 +310,7 @@ def check_kept_buffers_are_reused_and_never_shared(rank, world):
                     (out * out).sum().backward()
                 results.append(([o.detach() for o in outs], {n: p.grad.clone() for n, p in layer.named_parameters()
                                                               if p.grad is not None}))
-            (o0, g0), (o1, g1) = results
-            for a, b in zip(o0, o1):
-                torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
-            assert g0.keys() == g1.keys()
-            for n in g0:
-                torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step} {n}: {m}")
+            assert_same_results(*results, f"step {step}")
             pool = shadowed.shadow_buffers
             ptrs = {tag: sorted(b.data_ptr() for b in kept) for tag, kept in pool.buffers.items()}
             assert pool.nbytes > 0 and all(len(kept) <= pool.per_tag for kept in pool.buffers.values())

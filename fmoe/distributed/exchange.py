@@ -3,15 +3,69 @@
 Rows leave a rank sorted by global expert, so by destination rank. They arrive sorted by source
 rank, then by local expert; `recv_order_R` regroups them expert-major for the grouped GEMM and
 its inverse puts them back before the return trip. Every all-to-all is waited on with the
-collective timeout and names its layer when it gives up.
+collective timeout and names its layer when it gives up, and adds the bytes it sends to other
+ranks to its layer's `Traffic` (what moved, forward or backward, within or across nodes).
 """
-from dataclasses import dataclass
-from typing import List, Optional
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from fmoe.distributed.timeout import current_layer, wait
+
+
+KINDS = ("dispatch", "combine", "routing")     # token rows out, expert outputs back, routing metadata
+PASSES = ("forward", "backward")
+LOCALITIES = ("intra_node", "inter_node")
+
+
+def ranks_per_node_of(world_size: int, ranks_per_node=None) -> int:
+    """Ranks on one node: the argument, else LOCAL_WORLD_SIZE (torchrun sets it), else all of them."""
+    name = "ranks_per_node"
+    if ranks_per_node is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        if env is None:
+            return world_size
+        name, ranks_per_node = "LOCAL_WORLD_SIZE", int(env) if env.strip().isdigit() else env
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 \
+            or world_size % min(ranks_per_node, world_size):
+        raise ValueError(f"{name} must be a positive int dividing the expert-parallel world size {world_size}, "
+                         f"got {ranks_per_node!r}")
+    return min(ranks_per_node, world_size)
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent to other ranks (rows to itself are not traffic), counted as the
+    all-to-alls run: `bytes[kind][pass][locality]` with kind in KINDS, pass in PASSES and locality
+    in LOCALITIES (rank r is on node r // ranks_per_node, ranks of the exchange's group)."""
+    rank: int
+    ranks_per_node: int
+    bytes: Dict[str, Dict[str, Dict[str, int]]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.reset()
+
+    def reset(self):
+        self.bytes = {k: {p: {loc: 0 for loc in LOCALITIES} for p in PASSES} for k in KINDS}
+
+    def add(self, kind: str, backward: bool, splits_W: List[int], row_bytes: int):
+        counts = self.bytes[kind]["backward" if backward else "forward"]
+        node = self.rank // self.ranks_per_node
+        for w, rows in enumerate(splits_W):
+            if w != self.rank and rows:
+                counts["intra_node" if w // self.ranks_per_node == node else "inter_node"] += rows * row_bytes
+
+    def total(self, kind: Optional[str] = None, locality: Optional[str] = None) -> int:
+        return sum(n for k, by_pass in self.bytes.items() if kind in (None, k)
+                   for by_loc in by_pass.values() for loc, n in by_loc.items() if locality in (None, loc))
+
+
+def row_bytes(x: torch.Tensor) -> int:
+    """Bytes of one row of x (its first dimension counts rows)."""
+    return x.shape[1:].numel() * x.element_size()
 
 
 @dataclass
@@ -23,13 +77,16 @@ class ExchangePlan:
     recv_order_R: torch.Tensor      # expert-major position -> position in the received buffer
     group: Optional[dist.ProcessGroup]
     layer: str = "an fmoe layer"    # who the exchange belongs to, for timeout messages
+    traffic: Optional[Traffic] = None   # where the bytes sent are counted (None: not counted)
 
 
-def exchange_counts(counts_E: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
+def exchange_counts(counts_E: torch.Tensor, world_size: int, group=None, traffic: Optional[Traffic] = None):
     """Everyone tells everyone how many rows it sends to each expert: returns recv_counts_We."""
     send = counts_E.reshape(world_size, -1).contiguous()
     recv = torch.empty_like(send)
     wait(dist.all_to_all_single(recv, send, group=group, async_op=True), f"{current_layer()}: counts all-to-all")
+    if traffic is not None:
+        traffic.add("routing", False, [1] * world_size, row_bytes(send))
     return recv
 
 
@@ -45,8 +102,9 @@ def expert_major_order(recv_counts_We: torch.Tensor) -> torch.Tensor:
     return seg_start + torch.arange(total, device=counts.device) - seg_first_row
 
 
-def build_exchange_plan(counts_E: torch.Tensor, world_size: int, group=None) -> ExchangePlan:
-    recv_counts_We = exchange_counts(counts_E, world_size, group)
+def build_exchange_plan(counts_E: torch.Tensor, world_size: int, group=None,
+                        traffic: Optional[Traffic] = None) -> ExchangePlan:
+    recv_counts_We = exchange_counts(counts_E, world_size, group, traffic)
     return ExchangePlan(
         send_splits_W=counts_E.reshape(world_size, -1).sum(1).tolist(),
         recv_splits_W=recv_counts_We.sum(1).tolist(),
@@ -55,24 +113,30 @@ def build_exchange_plan(counts_E: torch.Tensor, world_size: int, group=None) -> 
         recv_order_R=expert_major_order(recv_counts_We),
         group=group,
         layer=current_layer(),
+        traffic=traffic,
     )
 
 
 class AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; the backward is the reverse exchange."""
+    """all_to_all_single with uneven splits; the backward is the reverse exchange. Both count the
+    bytes they send in `traffic` (when given) as `kind`, forward or backward."""
 
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group, what):
+    def forward(ctx, x, send_splits, recv_splits, group, what, traffic=None, kind="dispatch", backward=False):
         ctx.splits, ctx.group, ctx.what = (send_splits, recv_splits), group, what
+        ctx.traffic, ctx.kind = traffic, kind
         out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
         wait(dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True), what)
+        if traffic is not None:
+            traffic.add(kind, backward, send_splits, row_bytes(x))
         return out
 
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
-        back = AllToAll.apply(grad.contiguous(), recv_splits, send_splits, ctx.group, f"{ctx.what} (backward)")
-        return back, None, None, None, None
+        back = AllToAll.apply(grad.contiguous(), recv_splits, send_splits, ctx.group, f"{ctx.what} (backward)",
+                              ctx.traffic, ctx.kind, True)
+        return back, None, None, None, None, None, None, None
 
 
 class Reorder(torch.autograd.Function):
@@ -91,15 +155,17 @@ class Reorder(torch.autograd.Function):
         return Reorder.apply(grad.contiguous(), inverse), None
 
 
-def dispatch(x_ND: torch.Tensor, plan) -> torch.Tensor:
+def dispatch(x_ND: torch.Tensor, plan, kind: str = "dispatch") -> torch.Tensor:
     """Send rows to their experts' ranks; return the rows this rank's experts take, expert-major.
 
-    `plan` is a RoutingPlan; identity when it has no exchange (one rank).
+    `plan` is a RoutingPlan; identity when it has no exchange (one rank). `kind`: what the rows
+    are counted as (the routing weights travel as "routing").
     """
     plan = plan.exchange
     if plan is None:
         return x_ND
-    x_RD = AllToAll.apply(x_ND, plan.send_splits_W, plan.recv_splits_W, plan.group, f"{plan.layer}: dispatch all-to-all")
+    x_RD = AllToAll.apply(x_ND, plan.send_splits_W, plan.recv_splits_W, plan.group, f"{plan.layer}: dispatch all-to-all",
+                          plan.traffic, kind)
     return Reorder.apply(x_RD, plan.recv_order_R)
 
 
@@ -111,4 +177,5 @@ def combine(y_RD: torch.Tensor, plan) -> torch.Tensor:
     inverse = torch.empty_like(plan.recv_order_R)
     inverse[plan.recv_order_R] = torch.arange(plan.recv_order_R.numel(), device=inverse.device)
     y_RD = Reorder.apply(y_RD, inverse)
-    return AllToAll.apply(y_RD, plan.recv_splits_W, plan.send_splits_W, plan.group, f"{plan.layer}: combine all-to-all")
+    return AllToAll.apply(y_RD, plan.recv_splits_W, plan.send_splits_W, plan.group, f"{plan.layer}: combine all-to-all",
+                          plan.traffic, "combine")

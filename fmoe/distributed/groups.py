@@ -54,3 +54,18 @@ def make_groups(ep_size: int, world_size: Optional[int] = None, timeout: Optiona
             expert_dp_group = group
     return ParallelGroups(ep_size=ep_size, dp_size=world // ep_size, moe_group=moe_group,
                           expert_dp_group=expert_dp_group)
+
+
+class NodeGroup:
+    """This rank's node inside `group` (None: the world): the process group of the `ranks_per_node`
+    consecutive ranks of `group` it belongs to, in `.group`. Only those ranks take part in making
+    it; a copy of the module holding it shares it (a process group cannot be copied)."""
+
+    def __init__(self, group, ranks_per_node: int):
+        rank = dist.get_rank(group)
+        first = rank // ranks_per_node * ranks_per_node
+        members = [global_rank(group, r) for r in range(first, first + ranks_per_node)]
+        self.group = dist.new_group(members, timeout=collective_timeout(), use_local_synchronization=True)
+
+    def __deepcopy__(self, memo):
+        return self

@@ -4,6 +4,10 @@ Step s talks to the ranks at offsets [s*g, (s+1)*g) around the ring: rows go to 
 come from rank - o. While the rows of step s+1 travel (asynchronous point-to-point), the experts
 compute the rows of step s, whose outputs then travel back while step s+1 computes. The backward
 runs the same pipeline on the gradients. Outputs and gradients equal the plain exchange.
+
+The rank exchange (`fmoe.distributed.dedup`) pipelines the same way: its rows (one per token
+and rank, the routing weights riding along as extra columns) are computed source by source,
+each chunk fanned out to the experts by the ids it came with.
 """
 from typing import List, Optional
 
@@ -44,7 +48,7 @@ class _Ring:
         self.steps = [list(range(s, min(s + g, self.world))) for s in range(0, self.world, g)]
         self.send_splits, self.recv_splits = plan.send_splits_W, plan.recv_splits_W
         self.send_offsets, self.recv_offsets = _offsets(self.send_splits), _offsets(self.recv_splits)
-        self.recv_counts_We = plan.recv_counts_We
+        self.recv_counts_We = getattr(plan, "recv_counts_We", None)    # None: the rank exchange's hop
 
     def peer(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
@@ -73,13 +77,20 @@ class _Ring:
         return works
 
     def chunk_rows(self, step: int) -> torch.Tensor:
-        """Positions in the receive buffer of the rows computed at `step`, in expert-major order."""
+        """Positions in the receive buffer of the rows computed at `step`, in expert-major order
+        (the rank exchange's: as received, its experts' fan-out sorts them)."""
         sources = self.sources(step)
         ranges = [torch.arange(self.recv_offsets[s], self.recv_offsets[s] + self.recv_splits[s]) for s in sources]
         source_major = torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.long)
+        if self.recv_counts_We is None:
+            return source_major
         return source_major[expert_major_order(self.recv_counts_We[sources].cpu())]
 
-    def chunk_counts(self, step: int) -> torch.Tensor:
+    def chunk_arg(self, step: int, rows: torch.Tensor) -> torch.Tensor:
+        """What the experts take beside the chunk's rows: rows per local expert, or (the rank
+        exchange) the rows' positions in the receive buffer."""
+        if self.recv_counts_We is None:
+            return rows
         return self.recv_counts_We[self.sources(step)].sum(0)
 
 
@@ -107,7 +118,7 @@ class ScheduledExperts(torch.autograd.Function):
             rows = ring.chunk_rows(step)
             with torch.enable_grad():
                 x_chunk = received.index_select(0, rows).detach().requires_grad_(x_sent.requires_grad)
-                y_chunk = experts(x_chunk, ring.chunk_counts(step))
+                y_chunk = experts(x_chunk, ring.chunk_arg(step, rows))
             chunks.append((rows, x_chunk, y_chunk))
             if outputs is None:
                 outputs = y_chunk.new_empty(received.shape[0], y_chunk.shape[1])
@@ -157,10 +168,13 @@ class ScheduledExperts(torch.autograd.Function):
         return (grad_x_sent, None, None, None, *param_grads)
 
 
-def scheduled_experts(experts, x_sent: torch.Tensor, plan: ExchangePlan, group_size: Optional[int] = None):
-    """dispatch -> experts -> combine as one pipelined step; same result as doing them in turn."""
+def scheduled_experts(experts, x_sent: torch.Tensor, plan: ExchangePlan, group_size: Optional[int] = None,
+                      params=None):
+    """dispatch -> experts -> combine as one pipelined step; same result as doing them in turn.
+    `experts(x_chunk, counts_e)` (or, for a rank exchange's hop, `experts(x_chunk, rows)`);
+    `params`: the parameters it uses (default: `experts.parameters()`)."""
     group_size = group_size or group_size_from_env()
     if group_size < 1:
         raise ValueError(f"group_size (or FMOE_FASTER_GROUP_SIZE) must be >= 1, got {group_size}")
-    params = [p for p in experts.parameters() if p.requires_grad]
+    params = [p for p in (experts.parameters() if params is None else params) if p.requires_grad]
     return ScheduledExperts.apply(x_sent, plan, experts, group_size, *params)

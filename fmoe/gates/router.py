@@ -83,6 +83,11 @@ class RouterGate(BaseGate):
     `"forward"` moves it at the start of each training forward from the load of the one
     before, for code without an optimizer hook. Neither moves it in a recompute, nor counts one.
 
+    `max_nodes=M` is node-limited routing (DeepSeek-V3's): the groups are the nodes (the experts
+    of `ranks_per_node` ranks each, default LOCAL_WORLD_SIZE, else all `world_size` ranks; FMoE
+    passes its own), and each token's experts come from at most M of them, so the node exchange
+    sends at most M rows of it across nodes. It sets n_group and topk_group, so takes neither.
+
     `aux_loss`: None, one of "switch", "sequence", "global", or several of them (a tuple), each
     times `aux_loss_coef` (a number, or a dict with one per loss); see `balance_losses`.
     "sequence" reads the sequences from the layer's input ([B, S, D], or [S, B, D] when the
@@ -98,8 +103,13 @@ class RouterGate(BaseGate):
                  norm_topk_prob=False, routed_scaling_factor=1.0, n_group=1, topk_group=1, group_score="top2_sum",
                  gate_bias=False, selection_bias=None, bias_update_speed=1e-3, sparsemixer=False, jitter_eps=0.01,
                  aux_loss=None, aux_loss_coef=0.01, capacity=None, z_loss_coef=0.0, seq_len=None,
-                 bias_update="step", balance_group="world"):
+                 bias_update="step", balance_group="world", max_nodes=None, ranks_per_node=None):
         super().__init__(d_model, num_expert, world_size, top_k, capacity, z_loss_coef)
+        if max_nodes is not None:
+            n_group, topk_group = node_groups(max_nodes, world_size, ranks_per_node, n_group, topk_group)
+        elif ranks_per_node is not None:
+            raise ValueError("ranks_per_node lays the groups on the nodes only with max_nodes=: pass max_nodes too")
+        self.max_nodes = max_nodes
         self.score = check_choice("score", score, ("softmax", "sigmoid"))
         self.softmax_after_topk = check_bool("softmax_after_topk", softmax_after_topk)
         self.norm_topk_prob = check_bool("norm_topk_prob", norm_topk_prob)
@@ -281,6 +291,20 @@ class RouterGate(BaseGate):
         bias_E = self.e_score_correction_bias
         load_E = load_E.float()
         bias_E += (self.bias_update_speed * torch.sign(load_E.mean() - load_E)).to(bias_E.dtype)
+
+
+def node_groups(max_nodes, world_size: int, ranks_per_node, n_group, topk_group):
+    """(n_group, topk_group) for `max_nodes`: one group per node, at most max_nodes of them a token."""
+    from fmoe.distributed.exchange import ranks_per_node_of
+    check_int("max_nodes", max_nodes)
+    if (n_group, topk_group) != (1, 1):
+        raise ValueError(f"max_nodes={max_nodes} lays the expert groups on the nodes (n_group = nodes, topk_group = "
+                         f"max_nodes): pass it instead of n_group={n_group} / topk_group={topk_group}")
+    nodes = world_size // ranks_per_node_of(world_size, ranks_per_node)
+    if max_nodes > nodes:
+        raise ValueError(f"max_nodes={max_nodes} exceeds the {nodes} nodes of world_size={world_size} "
+                         f"(ranks_per_node={ranks_per_node_of(world_size, ranks_per_node)})")
+    return nodes, max_nodes
 
 
 def end_step_of(gates, group, what: str, bias_only: bool = False):

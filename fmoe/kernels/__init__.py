@@ -5,7 +5,8 @@ when it imports, torch elsewhere: before Ampere, Triton's tl.dot has no tensor-c
 its GEMMs would run on the CUDA cores while cuBLAS (the torch path) uses the tensor cores.
 `backend=` or the environment variable `FMOE_BACKEND=torch|triton` force one. Every op is an `fmoe::` custom op
 (`fmoe.kernels.ops`), so `torch.compile` traces through it. The torch backend runs *sync-free*
-(counts never read on the host) under torch.compile, on CUDA tensors, or with FMOE_SYNC_FREE=1;
+(counts never read on the host) under torch.compile, on CUDA tensors, with FMOE_SYNC_FREE=1 or
+inside `forced_sync_free()` (a layer built with `sync_free=True`);
 otherwise, on the CPU in eager mode, it loops over host counts where that is faster.
 Under torch.autocast the GEMMs run as nn.Linear's do there (`like_linear_under_autocast`).
 
@@ -13,6 +14,7 @@ One hop from here to the work: each function checks its arguments (`fmoe.kernels
 one place for both backends), then calls its `fmoe::` op with the `impl` this tensor gets; the op
 runs its torch or Triton body.
 """
+import contextlib
 import functools
 import os
 from typing import Optional, Tuple
@@ -121,9 +123,23 @@ def _explained_choice(device: Optional[torch.device]) -> str:
     return f"{chosen} ({'not CUDA' if device is None else gpu_backend(cuda_capability(device))[1]})"
 
 
+_forced = [False]
+
+
+@contextlib.contextmanager
+def forced_sync_free():
+    """The ops called inside keep their counts on the device (their backward too: each op keeps
+    the choice it was called with)."""
+    before, _forced[0] = _forced[0], True
+    try:
+        yield
+    finally:
+        _forced[0] = before
+
+
 def sync_free(tensor: torch.Tensor) -> bool:
     """Whether the torch backend must keep counts on the device for this tensor."""
-    if torch.compiler.is_compiling() or tensor.is_cuda:
+    if torch.compiler.is_compiling() or tensor.is_cuda or _forced[0]:
         return True
     return os.environ.get("FMOE_SYNC_FREE", "0").lower() in ("1", "true", "on", "yes")
 

@@ -114,9 +114,10 @@ def forward_by_expert(x_XD, rows_N, counts_e, weight_N, activation, w1_eDF, w2_e
     y_ND = x_XD.new_zeros(N, w2_eFD.shape[2], dtype=x_XD.dtype if weight_N is None else weighted_dtype(x_XD.dtype))
     for e, seg in _segments(counts_e):
         h = h_NF[seg]
-        torch.mm(_rows_of(x_XD, rows_N, seg), w1_eDF[e], out=h)
-        if b1_eF is not None:
-            h += b1_eF[e]
+        if b1_eF is None:
+            torch.mm(_rows_of(x_XD, rows_N, seg), w1_eDF[e], out=h)
+        else:       # addmm, as the grouped GEMM does: the same rounding in half precision
+            torch.addmm(b1_eF[e], _rows_of(x_XD, rows_N, seg), w1_eDF[e], out=h)
         a = activation_vjp(h, activation)[0]
         y = torch.mm(a, w2_eFD[e]) if b2_eD is None else torch.addmm(b2_eD[e], a, w2_eFD[e])
         if weight_N is None:
