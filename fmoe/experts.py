@@ -224,7 +224,11 @@ class GroupedExperts(nn.Module):
             return F.silu(gate) * up
         return self.activation(h_NF)
 
-    def forward(self, x_ND, counts_e):
+    def forward(self, x_ND, counts_e, weight_N=None, rows_N=None, row_of_slot_TK=None, *, lean: bool = False):
+        """The experts on rows in expert order; with `lean=True` the lean MLP (`weighted`). Called
+        through the module either way, so hooks on it (FSDP2's unshard) run."""
+        if lean:
+            return self.weighted(x_ND, counts_e, weight_N, rows_N, row_of_slot_TK)
         return self.run(x_ND, counts_e, self.w1_eDF, self.w2_eFD, self.b1_eF, self.b2_eD)
 
     @property

@@ -389,12 +389,12 @@ class FMoE(nn.Module):
         backward keeps x, the pre-activation and the routing, nothing of size T*K*D."""
         weight_N = weight_TK.reshape(-1).index_select(0, plan.slot_N)
         if plan.exchange is None:
-            y_ND = self.experts.weighted(x_TD, plan.counts_E, weight_N, plan.token_N, plan.row_of_slot_TK)
+            y_ND = self.experts(x_TD, plan.counts_E, weight_N, plan.token_N, plan.row_of_slot_TK, lean=True)
         else:
             # The permuted rows only travel; the received ones are the experts' input, kept once.
             x_RD = exchange.dispatch(kernels.permute(x_TD, plan, self.backend), plan)
             weight_R = exchange.dispatch(weight_N[:, None], plan, "routing")[:, 0]
-            y_ND = exchange.combine(self.experts.weighted(x_RD, plan.local_counts_e, weight_R), plan)
+            y_ND = exchange.combine(self.experts(x_RD, plan.local_counts_e, weight_R, lean=True), plan)
         return kernels.sum_rows(y_ND, plan, self.backend).to(autocast_dtype(x_TD) or x_TD.dtype)
 
     def weighted_experts(self, x_TD, plan: RoutingPlan, weight_TK, run=None):
@@ -551,7 +551,7 @@ class SharedExpertMLP(nn.Module):
         if not self.mlp.lean:
             return self.mlp.expert_forward(0, x_TD)
         # Every token is one row of the single expert: it keeps x and the pre-activation only.
-        return self.mlp.weighted(x_TD, torch.full((1,), x_TD.shape[0], dtype=torch.int64, device=x_TD.device))
+        return self.mlp(x_TD, torch.full((1,), x_TD.shape[0], dtype=torch.int64, device=x_TD.device), lean=True)
 
 
 def is_plain_module_gate(gate) -> bool:
