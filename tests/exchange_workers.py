@@ -374,3 +374,29 @@ def check_tree_inputs_on_rank_equal_slot(rank, world):
 def check_disagreeing_exchanges_raise_on_every_rank(rank, world):
     expect_disagreement(fmoe.FMoETransformerMLP(num_expert=2, d_model=D, d_hidden=H, top_k=2, world_size=world,
                                                 exchange="rank" if rank else "slot"), "exchange")
+
+
+def check_megatron_rank_exchange_equals_slot(rank, world):
+    """A Megatron-Core GPT with fmoe MLPs (expert parallel = world) trained two steps with Megatron's
+    DDP and Adam: exchange="rank" gives the losses and parameters of exchange="slot"."""
+    from megatron.core import parallel_state
+
+    from fmoe.megatron import training
+    from tests.test_megatron import batch, gpt
+
+    runs = []
+    for exchange in ("slot", "rank"):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        training.initialize(1, world, seed=7)
+        model, optimizer = training.wrap(gpt(world, gate="naive", aux_loss_coeff=0.0, exchange=exchange), lr=1e-2)
+        assert model.module.decoder.layers[0].mlp.moe.exchange == exchange
+        losses = [training.train_step(model, optimizer, [batch(step, rank)]) for step in range(2)]
+        runs.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    parallel_state.destroy_model_parallel()
+    (l0, p0), (l1, p1) = runs
+    assert torch.allclose(torch.tensor(l1), torch.tensor(l0), atol=1e-5, rtol=1e-5), (rank, l0, l1)
+    for n in p0:
+        # Adam turns last-bit differences of near-zero gradients into +-lr steps: a mean bound too.
+        diff = (p1[n] - p0[n]).abs()
+        assert diff.max() <= 1.1e-2 and diff.mean() <= 1e-4, (rank, n, diff.max().item(), diff.mean().item())

@@ -121,3 +121,8 @@ def test_tree_inputs_on_the_rank_exchange():
 
 def test_disagreeing_exchanges_raise_on_every_rank():
     run_ranks(exchange_workers.check_disagreeing_exchanges_raise_on_every_rank, 2)
+
+
+def test_megatron_mlp_takes_the_rank_exchange():
+    pytest.importorskip("megatron.core")
+    run_ranks(exchange_workers.check_megatron_rank_exchange_equals_slot, 2)
