@@ -30,14 +30,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")     # must precede importing the kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe  # noqa: E402
-from common import RESULTS, RoundRobinGate, machine  # noqa: E402
+from common import RESULTS, RoundRobinGate, SwiGLU, machine  # noqa: E402
 from fmoe import kernels  # noqa: E402
 from fmoe.kernels.triton_grouped_mm import _grouped_mm_kernel, _launcher, interpreting  # noqa: E402
 from fmoe.routing import RoutingPlan  # noqa: E402
@@ -238,7 +237,7 @@ def bench_layer(shapes, dtype, device, bench):
                                                        gate=RoundRobinGate, activation="swiglu",
                                                        backend=backend).to(dtype)
                       for backend in ("triton", "torch")}
-            dense = DenseSwiGLU(D, K * F_).to(dtype)     # same FLOPs per token: K experts' hidden width
+            dense = SwiGLU(D, K * F_).to(dtype)     # same FLOPs per token: K experts' hidden width
         layers["torch"].load_state_dict(layers["triton"].state_dict())
         x = torch.randn(T, D, device=device, dtype=dtype, requires_grad=True)
         dy = torch.randn(T, D, device=device, dtype=dtype)
@@ -275,19 +274,6 @@ def bench_layer(shapes, dtype, device, bench):
         rows.append({"shape": name, "tokens": T, "top_k": K, "d_model": D, "d_hidden": F_, "experts": E, **err,
                      "fwd": fwd, "fwd_bwd": fwd_bwd})
     return rows
-
-
-class DenseSwiGLU(nn.Module):
-    """The dense FFN of the comparison: SwiGLU, hidden width F (gate and up in one matmul)."""
-
-    def __init__(self, d_model, hidden):
-        super().__init__()
-        self.up = nn.Linear(d_model, 2 * hidden, bias=False)
-        self.down = nn.Linear(hidden, d_model, bias=False)
-
-    def forward(self, x):
-        gate, up = self.up(x).chunk(2, dim=-1)
-        return self.down(nn.functional.silu(gate) * up)
 
 
 def _tflops(section, shape, name, where):

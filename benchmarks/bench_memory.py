@@ -31,7 +31,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fmoe  # noqa: E402
-from common import time_interleaved  # noqa: E402
+from common import SwiGLU, time_interleaved  # noqa: E402
 from fmoe.files import write_json  # noqa: E402
 from fmoe.memory import peak_bytes, saved_bytes  # noqa: E402
 
@@ -52,19 +52,6 @@ def floor_bytes(d, n, K, size=4):
     """fmoe's floor with `size`-byte activations: x, the SwiGLU pre-activation (2n per slot), fp32
     scores (K), the routing integers (K int64 of expert index, four int64 index arrays of K entries)."""
     return size * d + size * K * 2 * n + 4 * K + 8 * 4 * K
-
-
-class SwiGLU(nn.Module):
-    """One expert as DeepSpeed-MoE takes it (a module it copies per expert)."""
-
-    def __init__(self, d, n):
-        super().__init__()
-        self.gate_up = nn.Linear(d, 2 * n, bias=False)
-        self.down = nn.Linear(n, d, bias=False)
-
-    def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, -1)
-        return self.down(nn.functional.silu(gate) * up)
 
 
 class FirstOutput(nn.Module):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 from fmoe.gates.round_robin import RoundRobinGate  # noqa: F401  (the benchmarks import it from here)
 from fmoe.files import write_json as write_json_atomic
@@ -95,3 +96,17 @@ def run_on_ranks(worker, world: int, args):
     for proc in procs:
         proc.join()
     return result
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP of hidden width `hidden` (gate and up in one matmul): the benchmarks'
+    dense FFN of equal FLOPs, and the expert module DeepSpeed-MoE copies per expert."""
+
+    def __init__(self, d_model, hidden):
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(nn.functional.silu(gate) * up)
