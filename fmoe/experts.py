@@ -224,9 +224,13 @@ class GroupedExperts(nn.Module):
             return F.silu(gate) * up
         return self.activation(h_NF)
 
-    def forward(self, x_ND, counts_e, weight_N=None, rows_N=None, row_of_slot_TK=None, *, lean: bool = False):
-        """The experts on rows in expert order; with `lean=True` the lean MLP (`weighted`). Called
-        through the module either way, so hooks on it (FSDP2's unshard) run."""
+    def forward(self, x_ND, counts_e, weight_N=None, rows_N=None, row_of_slot_TK=None, *, lean: bool = False,
+                plan=None, weight_TK=None):
+        """The experts on rows in expert order; with `lean=True` the lean MLP (`weighted`), and given
+        a one-rank `plan` and its `weight_TK`, the lean MLP and the combine (`routed`): tokens in,
+        tokens out. Called through the module either way, so hooks on it (FSDP2's unshard) run."""
+        if plan is not None:
+            return self.routed(x_ND, plan, weight_TK)
         if lean:
             return self.weighted(x_ND, counts_e, weight_N, rows_N, row_of_slot_TK)
         return self.run(x_ND, counts_e, self.w1_eDF, self.w2_eFD, self.b1_eF, self.b2_eD)
@@ -244,6 +248,12 @@ class GroupedExperts(nn.Module):
                                     self.w2_eFD, self.b1_eF, self.b2_eD, rows_N=rows_N,
                                     row_of_slot_TK=row_of_slot_TK, weight_N=weight_N,
                                     keep_hidden=self.recompute == "activation", backend=self.backend)
+
+    def routed(self, x_TD, plan, weight_TK):
+        """sum over token t's slots of weight_TK[t, k] * expert(x[t]) (`fmoe.kernels.routed_mlp`); needs `self.lean`."""
+        return kernels.routed_mlp(x_TD, plan, weight_TK, fused_activation_spec(self.activation), self.w1_eDF,
+                                  self.w2_eFD, self.b1_eF, self.b2_eD, keep_hidden=self.recompute == "activation",
+                                  backend=self.backend)
 
     def run(self, x_ND, counts_e, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
         """The experts' MLP with the given stacked weights (shadowing passes pulled ones)."""

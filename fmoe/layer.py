@@ -387,14 +387,14 @@ class FMoE(nn.Module):
     def lean_experts(self, x_TD, plan: RoutingPlan, weight_TK):
         """The routed experts' output per token: each row weighted inside the experts' MLP, so the
         backward keeps x, the pre-activation and the routing, nothing of size T*K*D."""
+        if plan.exchange is None:       # one op: gather, MLP, weighted combine
+            y_TD = self.experts(x_TD, None, lean=True, plan=plan, weight_TK=weight_TK)
+            return y_TD.to(autocast_dtype(x_TD) or x_TD.dtype)
+        # The permuted rows only travel; the received ones are the experts' input, kept once.
         weight_N = weight_TK.reshape(-1).index_select(0, plan.slot_N)
-        if plan.exchange is None:
-            y_ND = self.experts(x_TD, plan.counts_E, weight_N, plan.token_N, plan.row_of_slot_TK, lean=True)
-        else:
-            # The permuted rows only travel; the received ones are the experts' input, kept once.
-            x_RD = exchange.dispatch(kernels.permute(x_TD, plan, self.backend), plan)
-            weight_R = exchange.dispatch(weight_N[:, None], plan, "routing")[:, 0]
-            y_ND = exchange.combine(self.experts(x_RD, plan.local_counts_e, weight_R, lean=True), plan)
+        x_RD = exchange.dispatch(kernels.permute(x_TD, plan, self.backend), plan)
+        weight_R = exchange.dispatch(weight_N[:, None], plan, "routing")[:, 0]
+        y_ND = exchange.combine(self.experts(x_RD, plan.local_counts_e, weight_R, lean=True), plan)
         return kernels.sum_rows(y_ND, plan, self.backend).to(autocast_dtype(x_TD) or x_TD.dtype)
 
     def weighted_experts(self, x_TD, plan: RoutingPlan, weight_TK, run=None):

@@ -43,7 +43,7 @@ def expected_bytes(act, backend, mode):
     N = T * K
     scores = 4 * N                      # the gate's top-k weights
     ints = 8 * 3 * N + 8 * N + 8 * E    # the plan's three maps, the top-k indices, the counts
-    lean = 4 * T * D + scores + 4 * N + ints     # x, scores, the weights in row order, ints
+    lean = 4 * T * D + scores + ints     # x, scores, ints: the combine reads the weights in slot order
     if mode == "activation":
         return lean + 4 * N * width1
     if mode == "experts":

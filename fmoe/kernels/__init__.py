@@ -260,3 +260,29 @@ def sum_rows(y_ND: torch.Tensor, plan: RoutingPlan, backend: Optional[str] = Non
     impl = impl_for(y_ND, backend)
     checks.check_rows("y_ND", y_ND, plan, _family(impl))
     return ops.sum_rows(y_ND, plan.token_N, plan.row_of_slot_TK, impl)
+
+
+@like_linear_under_autocast
+def routed_mlp(x_TD: torch.Tensor, plan: RoutingPlan, weight_TK: torch.Tensor, activation: str, w1_eDF, w2_eFD,
+               b1_eF=None, b2_eD=None, *, keep_hidden: bool = True, backend: Optional[str] = None) -> torch.Tensor:
+    """y[t] = sum over token t's kept slots k of weight[t, k] * (act(x[t] @ w1[e] + b1[e]) @ w2[e] + b2[e]),
+    e the slot's expert: the lean MLP and the combine in one op, for a plan on one rank.
+
+    On Triton: three kernels forward (the gather inside the first GEMM's loads, the activation in
+    its epilogue; the down GEMM; the weighted gather-sum), six backward (`fmoe.kernels.triton_lean`).
+    The backward keeps x, the routing and, with `keep_hidden`, the pre-activation.
+    """
+    impl = impl_for(x_TD, backend)
+    checks.check_weights("x_TD", x_TD, w1_eDF, counts_of(plan), b1_eF, _family(impl), "w1_eDF", "b1_eF")
+    checks.check_plan(plan, x_TD.shape[0], x_TD.device)
+    checks.check_routing_weight(weight_TK, plan, x_TD.device, _family(impl))
+    return ops.routed_mlp(x_TD, plan.token_N, plan.slot_N, plan.row_of_slot_TK, plan.counts_E, weight_TK,
+                          activation, w1_eDF, w2_eFD, b1_eF, b2_eD, keep_hidden, impl)[0]
+
+
+def counts_of(plan: RoutingPlan) -> torch.Tensor:
+    """Rows per expert of a plan on one rank (routed_mlp runs no exchange)."""
+    if plan.across_ranks:
+        raise ValueError("routed_mlp takes a plan on one rank; across ranks the rows travel first "
+                         "(FMoE's exchange path)")
+    return plan.counts_E

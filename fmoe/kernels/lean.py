@@ -10,6 +10,10 @@ with dy_r @ w2_e^T computed for the activation's gradient anyway: no N x D outpu
 With impl "torch" (CPU eager, counts read on the host) the same arithmetic runs one expert's
 segment at a time: its rows stay in cache between the GEMMs, and the backward's transients are
 one expert's rows wide instead of all N rows.
+
+`routed_forward` / `routed_backward` add the combine on one rank: y[t] = sum_k weight[t, k] *
+mlp(x[t]) straight to tokens. On Triton they are the fused kernels of `triton_lean` (no glue
+between the GEMMs); on torch, the MLP above unweighted and a weighted gather-sum.
 """
 import torch
 
@@ -81,10 +85,35 @@ def backward_grouped(impl, dy_ND, x_XD, rows_N, counts_e, weight_N, activation, 
     return dx_ND, dweight_N, dw1, dw2, db1, db2
 
 
+def routed_forward(impl, x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK, activation,
+                   w1_eDF, w2_eFD, b1_eF, b2_eD):
+    """(y_TD, h_NF): each token's kept slots' expert outputs summed with their routing weights."""
+    if impl == "triton":
+        return run_impl(impl, "routed_mlp_forward", x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK,
+                        activation, w1_eDF, w2_eFD, b1_eF, b2_eD)
+    y_ND, h_NF = forward(impl, x_TD, token_N, counts_e, None, activation, w1_eDF, w2_eFD, b1_eF, b2_eD)
+    return run_impl(impl, "gather_sum", y_ND, row_of_slot_TK, weight_TK), h_NF
+
+
+def routed_backward(impl, dy_TD, x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK, activation,
+                    w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF):
+    """(dx, d weight_TK, dw1, dw2, db1 or None, db2 or None); h recomputed when not given."""
+    if impl == "triton":
+        return run_impl(impl, "routed_mlp_backward", dy_TD, x_TD, token_N, slot_N, row_of_slot_TK, counts_e,
+                        weight_TK, activation, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF)
+    # The rows' gradient is the token's, unweighted: the MLP's backward weighs it and gives the weights'.
+    weight_N = weight_TK.reshape(-1).index_select(0, slot_N)
+    dx, dweight_N, dw1, dw2, db1, db2 = backward(
+        impl, run_impl(impl, "permute_rows", dy_TD, token_N), x_TD, token_N, row_of_slot_TK, counts_e, weight_N,
+        activation, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF)
+    kept_TK = row_of_slot_TK >= 0
+    dweight_TK = torch.where(kept_TK, dweight_N[row_of_slot_TK.clamp_min(0)], 0).to(weight_TK.dtype)
+    return dx, dweight_TK, dw1, dw2, db1, db2
+
+
 def weight_gradient(dy_ND, da_NF, a_NF, bias_ND, dtype):
-    """dL/dweight per row: <da, a> (+ <dy, the expert's output bias>), summed in dy's precision
-    (fp32 or wider: the weighted rows were returned so)."""
-    acc = dy_ND.dtype
+    """dL/dweight per row: <da, a> (+ <dy, the expert's output bias>), summed in fp32 or wider."""
+    acc = torch.promote_types(dy_ND.dtype, torch.float32)
     dweight_N = torch.linalg.vecdot(da_NF.to(acc), a_NF.to(acc))     # no N x F product in memory
     if bias_ND is not None:
         dweight_N += dy_ND.to(acc) @ bias_ND.to(acc) if bias_ND.dim() == 1 else \

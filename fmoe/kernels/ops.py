@@ -322,3 +322,65 @@ def _sum_rows_backward(ctx, grad_TD):
 
 
 sum_rows.register_autograd(_sum_rows_backward, setup_context=_sum_rows_setup)
+
+
+# The lean MLP with the combine (one rank): tokens in, tokens out, rows only inside. Saved: x, the
+# routing and, with keep_hidden, the pre-activation; on Triton the fused kernels of `triton_lean`.
+
+@torch.library.custom_op("fmoe::routed_mlp", mutates_args=())
+def routed_mlp(x_TD: Tensor, token_N: Tensor, slot_N: Tensor, row_of_slot_TK: Tensor, counts_e: Tensor,
+               weight_TK: Tensor, activation: str, w1_eDF: Tensor, w2_eFD: Tensor, b1_eF: Optional[Tensor],
+               b2_eD: Optional[Tensor], keep_hidden: bool, impl: str) -> Tuple[Tensor, Tensor]:
+    return lean.routed_forward(impl, x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK, activation,
+                               w1_eDF, w2_eFD, b1_eF, b2_eD)
+
+
+@routed_mlp.register_fake
+def _(x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK, activation, w1_eDF, w2_eFD, b1_eF, b2_eD,
+      keep_hidden, impl):
+    return x_TD.new_empty(x_TD.shape[0], w2_eFD.shape[2]), x_TD.new_empty(token_N.shape[0], w1_eDF.shape[2])
+
+
+def _routed_mlp_setup(ctx, inputs, output):
+    (x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK, activation, w1_eDF, w2_eFD, b1_eF, b2_eD,
+     keep_hidden, impl) = inputs
+    ctx.save_for_backward(x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK, w1_eDF, w2_eFD, b1_eF, b2_eD,
+                          output[1] if keep_hidden else None)
+    ctx.activation, ctx.impl = activation, impl
+    # h is returned only to be saved: no N x F zero gradient for it on every backward.
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _routed_mlp_backward(ctx, dy_TD, _grad_h):
+    x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF = ctx.saved_tensors
+    if dy_TD is None:
+        return (None,) * 13
+    dx, dweight, dw1, dw2, db1, db2 = routed_mlp_backward(
+        dy_TD.contiguous(), x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK, ctx.activation, w1_eDF,
+        w2_eFD, b1_eF, b2_eD, h_NF, ctx.impl)
+    return (dx, None, None, None, None, dweight, None, dw1, dw2, db1 if b1_eF is not None else None,
+            db2 if b2_eD is not None else None, None, None)
+
+
+routed_mlp.register_autograd(_routed_mlp_backward, setup_context=_routed_mlp_setup)
+
+
+@torch.library.custom_op("fmoe::routed_mlp_backward", mutates_args=())
+def routed_mlp_backward(dy_TD: Tensor, x_TD: Tensor, token_N: Tensor, slot_N: Tensor, row_of_slot_TK: Tensor,
+                        counts_e: Tensor, weight_TK: Tensor, activation: str, w1_eDF: Tensor, w2_eFD: Tensor,
+                        b1_eF: Optional[Tensor], b2_eD: Optional[Tensor], h_NF: Optional[Tensor],
+                        impl: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d weight_TK, dw1, dw2, db1, db2); an absent bias gets an empty tensor."""
+    grads = lean.routed_backward(impl, dy_TD, x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK,
+                                 activation, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF)
+    return tuple(dy_TD.new_empty(0) if g is None else g for g in grads)
+
+
+@routed_mlp_backward.register_fake
+def _(dy_TD, x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK, activation, w1_eDF, w2_eFD, b1_eF, b2_eD,
+      h_NF, impl):
+    db1 = dy_TD.new_empty(0) if b1_eF is None else torch.empty_like(b1_eF)
+    db2 = dy_TD.new_empty(0) if b2_eD is None else torch.empty_like(b2_eD)
+    return (torch.empty_like(x_TD), torch.empty_like(weight_TK, memory_format=torch.contiguous_format),
+            torch.empty_like(w1_eDF), torch.empty_like(w2_eFD), db1, db2)

@@ -40,6 +40,25 @@ def _expert_segment(counts_ptr, E, e, E_POW2: tl.constexpr):
     return tl.sum(tl.where(picked, ends - counts, 0)), tl.sum(tl.where(picked, counts, 0))
 
 
+@triton.jit
+def _row_tile(counts_ptr, pid_m, N, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert e, rows, row_ok, live) of row tile `pid_m`: tiles are numbered expert after expert,
+    cdiv(count, BLOCK_M) each; a tile past the last (`live` false) has nothing to do."""
+    idx = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + idx, mask=idx < E, other=0).to(tl.int64)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(tiles, 0)
+    live = pid_m < tl.sum(tiles)
+    e = tl.sum((tile_ends <= pid_m).to(tl.int32))
+    picked = idx == e
+    first_tile = tl.sum(tl.where(picked, tile_ends - tiles, 0))
+    seg_start = tl.sum(tl.where(picked, tl.cumsum(counts, 0) - counts, 0))
+    seg_end = seg_start + tl.sum(tl.where(picked, counts, 0))
+    rows = seg_start + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = (rows < seg_end) & (rows < N)   # `rows < N` guards counts that overrun the rows
+    return e, rows, row_ok, live
+
+
 @triton.jit(do_not_specialize=["N", "E"])
 def _grouped_mm_kernel(
     x_ptr, rows_ptr, w_ptr, bias_ptr, y_ptr, counts_ptr,
@@ -51,21 +70,9 @@ def _grouped_mm_kernel(
     """y[r] = x[rows[r]] @ w[e] (+ bias[e]) for each row r of expert e's segment (rows[r] = r unless GATHER)."""
     num_tiles_m = tl.cdiv(N, BLOCK_M) + E    # no expert needs more than one partial tile
     pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(O, BLOCK_N), GROUP_M)
-
-    idx = tl.arange(0, E_POW2)
-    counts = tl.load(counts_ptr + idx, mask=idx < E, other=0).to(tl.int64)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_ends = tl.cumsum(tiles, 0)
-    if pid_m >= tl.sum(tiles):
+    e, rows, row_ok, live = _row_tile(counts_ptr, pid_m, N, E, E_POW2, BLOCK_M)
+    if not live:
         return
-    e = tl.sum((tile_ends <= pid_m).to(tl.int32))
-    picked = idx == e
-    first_tile = tl.sum(tl.where(picked, tile_ends - tiles, 0))
-    seg_start = tl.sum(tl.where(picked, tl.cumsum(counts, 0) - counts, 0))
-    seg_end = seg_start + tl.sum(tl.where(picked, counts, 0))
-
-    rows = seg_start + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = (rows < seg_end) & (rows < N)   # `rows < N` guards counts that overrun x
     if GATHER:
         src = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     else:
@@ -97,13 +104,14 @@ def _grouped_mm_kernel(
 
 @triton.jit(do_not_specialize=["N", "E"])
 def _grouped_mm_weight_grad_kernel(
-    x_ptr, rows_ptr, dy_ptr, dw_ptr, counts_ptr,
+    x_ptr, rows_ptr, dy_ptr, dy_rows_ptr, dw_ptr, counts_ptr,
     N, I, O, E,
     stride_xn, stride_xi, stride_dyn, stride_dyo, stride_dwe, stride_dwi, stride_dwo,
-    GATHER: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, E_POW2: tl.constexpr,
+    GATHER: tl.constexpr, GATHER_DY: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """dw[e] = x[rows of e]^T @ dy[rows of e], one (I block, O block) tile of one expert per program.
+    """dw[e] = x[rows of e]^T @ dy[rows of e], one (I block, O block) tile of one expert per program;
+    x's rows are read through rows_ptr (GATHER), dy's through dy_rows_ptr (GATHER_DY).
 
     BLOCK_M tiles I, BLOCK_N tiles O and BLOCK_K walks the expert's rows; an expert without rows
     stores zeros.
@@ -125,9 +133,13 @@ def _grouped_mm_weight_grad_kernel(
             src = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
         else:
             src = rows
+        if GATHER_DY:
+            dy_src = tl.load(dy_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        else:
+            dy_src = rows
         xt = tl.load(x_ptr + ins[:, None] * stride_xi + src[None, :] * stride_xn,
                      mask=in_ok[:, None] & row_ok[None, :], other=0.0)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dyn + outs[None, :] * stride_dyo,
+        dy = tl.load(dy_ptr + dy_src[:, None] * stride_dyn + outs[None, :] * stride_dyo,
                      mask=row_ok[:, None] & out_ok[None, :], other=0.0)
         if UPCAST:
             xt = xt.to(tl.float32)
@@ -193,16 +205,30 @@ def gpu_configs(generation: str, mode: str, autotune: bool = True):
     return [_config(*r) for r in (rows if autotune else rows[:1])]
 
 
+def pinned(configs, fixed: dict):
+    """`configs` with the meta-parameters in `fixed` set to those values, duplicates dropped."""
+    seen, out = set(), []
+    for c in configs:
+        kwargs = {**c.kwargs, **fixed}
+        key = (tuple(sorted(kwargs.items())), c.num_warps, c.num_stages)
+        if key not in seen:
+            seen.add(key)
+            out.append(triton.Config(kwargs, num_warps=c.num_warps, num_stages=c.num_stages))
+    return out
+
+
 @functools.lru_cache(maxsize=None)
-def _tuned(kernel, generation: str, mode: str, autotune: bool):
-    """`kernel` autotuned over its configs, keyed on the GEMM widths."""
-    return triton.autotune(gpu_configs(generation, mode, autotune), key=["I", "O", "GATHER"])(kernel)
+def _tuned(kernel, generation: str, mode: str, autotune: bool, key: tuple, fixed: tuple):
+    """`kernel` autotuned over its configs (with the `fixed` meta-parameters), keyed on `key`."""
+    return triton.autotune(pinned(gpu_configs(generation, mode, autotune), dict(fixed)), key=list(key))(kernel)
 
 
-def _launcher(kernel, device: torch.device, dtype: torch.dtype):
-    """The kernel to launch: FMOE_TRITON_AUTOTUNE=0 skips tuning (fewer compiles, e.g. for tests)."""
+def _launcher(kernel, device: torch.device, dtype: torch.dtype, key=("I", "O", "GATHER"), fixed=None):
+    """The kernel to launch: FMOE_TRITON_AUTOTUNE=0 skips tuning (fewer compiles, e.g. for tests);
+    `fixed` pins meta-parameters that the launch needs to know (a tile width)."""
     generation = "interpreter" if interpreting() else generation_of(torch.cuda.get_device_capability(device)[0])
-    return _tuned(kernel, generation, dot_mode(dtype), os.environ.get("FMOE_TRITON_AUTOTUNE", "1") != "0")
+    return _tuned(kernel, generation, dot_mode(dtype), os.environ.get("FMOE_TRITON_AUTOTUNE", "1") != "0",
+                  tuple(key), tuple(sorted((fixed or {}).items())))
 
 
 def _dot_args(dtype: torch.dtype) -> dict:
@@ -232,12 +258,15 @@ def grouped_mm_launch(x_XI, w_eIO, counts_e, rows_N, bias_eO, y_NO):
                                           E_POW2=triton.next_power_of_2(E), **_dot_args(x_XI.dtype))
 
 
-def grouped_mm_rows(x_XI, w_eIO, counts_e, rows_N=None, bias_eO=None):
-    """y[r] = x[rows_N[r]] @ w[e] (+ bias_eO[e]) over expert e's rows r (rows_N[r] = r when None)."""
+def grouped_mm_rows(x_XI, w_eIO, counts_e, rows_N=None, bias_eO=None, fill_tail=True):
+    """y[r] = x[rows_N[r]] @ w[e] (+ bias_eO[e]) over expert e's rows r (rows_N[r] = r when None).
+
+    Rows past the last segment (dropped slots) are zero, or, with `fill_tail=False` (a caller that
+    never reads them), left unwritten: no zero-fill of the whole output first."""
     _check_kernel_device(x_XI)
     N = x_XI.shape[0] if rows_N is None else rows_N.shape[0]
     E, _, O = w_eIO.shape
-    y_NO = x_XI.new_zeros(N, O)     # rows past the last segment (dropped slots) stay zero
+    y_NO = x_XI.new_zeros(N, O) if fill_tail else x_XI.new_empty(N, O)
     if N == 0 or O == 0:
         return y_NO
     kernel, args, constexprs = grouped_mm_launch(x_XI, w_eIO, counts_e, rows_N, bias_eO, y_NO)
@@ -250,25 +279,31 @@ def grouped_mm_rows(x_XI, w_eIO, counts_e, rows_N=None, bias_eO=None):
     return y_NO
 
 
-def weight_grad_launch(x_XI, dy_NO, counts_e, rows_N, dw_eIO):
+def _num_rows(x_XI, dy_YO, rows_N, dy_rows_N):
+    """The rows in expert order that a weight gradient walks: an index's length, else dy's rows."""
+    return next((len(r) for r in (dy_rows_N, rows_N) if r is not None), dy_YO.shape[0])
+
+
+def weight_grad_launch(x_XI, dy_YO, counts_e, rows_N, dw_eIO, dy_rows_N=None):
     """(kernel, args, constexprs) of the launch that fills dw_eIO; `fmoe.kernels.aot` compiles the same."""
-    N, O = dy_NO.shape
+    N, O = _num_rows(x_XI, dy_YO, rows_N, dy_rows_N), dy_YO.shape[1]
     E, I = counts_e.shape[0], x_XI.shape[1]
-    args = (x_XI, x_XI if rows_N is None else rows_N, dy_NO, dw_eIO, counts_e, N, I, O, E,
-            *x_XI.stride(), *dy_NO.stride(), *dw_eIO.stride())
-    return _grouped_mm_weight_grad_kernel, args, dict(GATHER=rows_N is not None, E_POW2=triton.next_power_of_2(E),
-                                                      **_dot_args(x_XI.dtype))
+    args = (x_XI, x_XI if rows_N is None else rows_N, dy_YO, dy_YO if dy_rows_N is None else dy_rows_N, dw_eIO,
+            counts_e, N, I, O, E, *x_XI.stride(), *dy_YO.stride(), *dw_eIO.stride())
+    return _grouped_mm_weight_grad_kernel, args, dict(GATHER=rows_N is not None, GATHER_DY=dy_rows_N is not None,
+                                                      E_POW2=triton.next_power_of_2(E), **_dot_args(x_XI.dtype))
 
 
-def grouped_mm_weight_grad(x_XI, dy_NO, counts_e, rows_N=None):
-    """dw[e] = x[rows_N of e]^T @ dy[rows of e], in x's dtype; zero for an expert with no rows."""
+def grouped_mm_weight_grad(x_XI, dy_YO, counts_e, rows_N=None, dy_rows_N=None):
+    """dw[e] = x[rows_N of e]^T @ dy[dy_rows_N of e] (each index the identity when None), in x's
+    dtype; zero for an expert with no rows."""
     _check_kernel_device(x_XI)
-    N, O = dy_NO.shape
+    N, O = _num_rows(x_XI, dy_YO, rows_N, dy_rows_N), dy_YO.shape[1]
     E, I = counts_e.shape[0], x_XI.shape[1]
     dw_eIO = x_XI.new_empty(E, I, O)
     if N == 0 or I == 0 or O == 0:
         return dw_eIO.zero_()
-    kernel, args, constexprs = weight_grad_launch(x_XI, dy_NO, counts_e, rows_N, dw_eIO)
+    kernel, args, constexprs = weight_grad_launch(x_XI, dy_YO, counts_e, rows_N, dw_eIO, dy_rows_N)
 
     def grid(meta):
         return (triton.cdiv(I, meta["BLOCK_M"]) * triton.cdiv(O, meta["BLOCK_N"]), E)
@@ -278,9 +313,11 @@ def grouped_mm_weight_grad(x_XI, dy_NO, counts_e, rows_N=None):
 
 
 @triton.jit(do_not_specialize=["N", "E"])
-def _expert_row_sums_kernel(dy_ptr, out_ptr, counts_ptr, N, O, E, stride_dyn, stride_dyo, stride_oe, stride_oo,
+def _expert_row_sums_kernel(dy_ptr, rows_ptr, slot_ptr, weight_ptr, out_ptr, counts_ptr, N, O, E,
+                            stride_dyn, stride_dyo, stride_oe, stride_oo, GATHER: tl.constexpr,
                             E_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_O: tl.constexpr):
-    """out[e] = sum of dy over expert e's rows, in row order, in fp32."""
+    """out[e] = sum of dy over expert e's rows, in row order, in fp32; with GATHER, the sum of
+    weight[slot[r]] * dy[rows[r]] (the output bias's gradient of rows weighted after the GEMM)."""
     e = tl.program_id(1)
     seg_start, count = _expert_segment(counts_ptr, E, e, E_POW2)
     cols = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -290,30 +327,40 @@ def _expert_row_sums_kernel(dy_ptr, out_ptr, counts_ptr, N, O, E, stride_dyn, st
     for k in range(0, count, BLOCK_R):
         rows = seg_start + k + ks
         row_ok = (k + ks < count) & (rows < N)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dyn + cols[None, :] * stride_dyo,
-                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += tl.sum(dy.to(tl.float32), axis=0)
+        if GATHER:
+            src = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        else:
+            src = rows
+        dy = tl.load(dy_ptr + src[:, None] * stride_dyn + cols[None, :] * stride_dyo,
+                     mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        if GATHER:
+            slots = tl.load(slot_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+            dy = dy * tl.load(weight_ptr + slots, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        acc += tl.sum(dy, axis=0)
     out_ptrs = out_ptr + e.to(tl.int64) * stride_oe + cols * stride_oo
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def row_sums_launch(dy_NO, counts_e, out_eO):
+def row_sums_launch(dy_NO, counts_e, out_eO, rows_N=None, slot_N=None, weight_S=None):
     """(kernel, args, constexprs) of the launch that fills out_eO; `fmoe.kernels.aot` compiles the same."""
-    N, O = dy_NO.shape
+    N, O = dy_NO.shape[0] if rows_N is None else rows_N.shape[0], dy_NO.shape[1]
     E = counts_e.shape[0]
-    args = (dy_NO, out_eO, counts_e, N, O, E, *dy_NO.stride(), *out_eO.stride())
-    return _expert_row_sums_kernel, args, dict(E_POW2=triton.next_power_of_2(E), BLOCK_R=32,
+    gather = rows_N is not None
+    args = (dy_NO, rows_N if gather else dy_NO, slot_N if gather else dy_NO, weight_S if gather else dy_NO,
+            out_eO, counts_e, N, O, E, *dy_NO.stride(), *out_eO.stride())
+    return _expert_row_sums_kernel, args, dict(GATHER=gather, E_POW2=triton.next_power_of_2(E), BLOCK_R=32,
                                                BLOCK_O=min(triton.next_power_of_2(O), 256))
 
 
-def expert_row_sums(dy_NO, counts_e, dtype):
-    """Per-expert sums of dy's rows (the bias gradient), in `dtype`; zero for an expert with no rows."""
+def expert_row_sums(dy_NO, counts_e, dtype, rows_N=None, slot_N=None, weight_S=None):
+    """Per-expert sums of dy's rows (the bias gradient), in `dtype`; zero for an expert with no rows.
+    Given rows_N, slot_N and weight_S: the sums of weight_S[slot_N[r]] * dy[rows_N[r]]."""
     _check_kernel_device(dy_NO)
-    N, O = dy_NO.shape
+    N, O = dy_NO.shape[0] if rows_N is None else rows_N.shape[0], dy_NO.shape[1]
     E = counts_e.shape[0]
     out_eO = dy_NO.new_empty(E, O, dtype=dtype)
     if N == 0 or O == 0:
         return out_eO.zero_()
-    kernel, args, constexprs = row_sums_launch(dy_NO, counts_e, out_eO)
+    kernel, args, constexprs = row_sums_launch(dy_NO, counts_e, out_eO, rows_N, slot_N, weight_S)
     kernel[(triton.cdiv(O, constexprs["BLOCK_O"]), E)](*args, **constexprs)
     return out_eO

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from fmoe.env import env_flag
+from fmoe.kernels import triton_grouped_mm as gmm
 from fmoe.kernels.triton_grouped_mm import _config, _dot_args, _swizzle, dot_mode, interpreting
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) per dot mode; the first is the one
@@ -213,11 +214,11 @@ def _num_programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def grouped_mm_rows_tma(x_XI, w_eIO, counts_e, rows_N=None, bias_eO=None):
+def grouped_mm_rows_tma(x_XI, w_eIO, counts_e, rows_N=None, bias_eO=None, fill_tail=True):
     """`triton_grouped_mm.grouped_mm_rows` through the TMA kernel (see `tma_applies` first)."""
     N = x_XI.shape[0] if rows_N is None else rows_N.shape[0]
     E, _, O = w_eIO.shape
-    y_NO = x_XI.new_zeros(N, O)
+    y_NO = x_XI.new_zeros(N, O) if fill_tail else x_XI.new_empty(N, O)
     if N == 0 or O == 0:
         return y_NO
     kernel, args, constexprs = grouped_mm_tma_launch(x_XI, w_eIO, counts_e, rows_N, bias_eO, y_NO)
@@ -232,3 +233,13 @@ def grouped_mm_rows_tma(x_XI, w_eIO, counts_e, rows_N=None, bias_eO=None):
         ensure_allocator()
     _tuned(mode, os.environ.get("FMOE_TRITON_AUTOTUNE", "1") != "0")[grid](*args, **constexprs)
     return y_NO
+
+
+def grouped_mm_rows_best(x_XI, w_eIO, counts_e, rows_N=None, bias_eO=None, fill_tail=True):
+    """y[r] = x[rows_N[r]] @ w[e] (+ bias_eO[e]): the TMA kernel under FMOE_TRITON_TMA=1 where it
+    applies (sm_90 and later, operands the copy engine takes), the plain kernel otherwise."""
+    if tma_enabled():
+        gmm._check_kernel_device(x_XI)
+        if tma_applies(x_XI, w_eIO, rows_N, bias_eO):
+            return grouped_mm_rows_tma(x_XI, w_eIO, counts_e, rows_N, bias_eO, fill_tail)
+    return gmm.grouped_mm_rows(x_XI, w_eIO, counts_e, rows_N, bias_eO, fill_tail)
