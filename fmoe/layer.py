@@ -280,10 +280,7 @@ class FMoE(nn.Module):
             self.traffic.reset()
         forced = self.sync_free and not torch.compiler.is_compiling()     # compiled: sync-free anyway
         with kernels.forced_sync_free() if forced else contextlib.nullcontext():
-            plan = RoutingPlan.build(routing.expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
-                                     self.shadow_policy, exchange=self.exchange, ranks_per_node=self.ranks_per_node,
-                                     traffic=self.traffic, bound=self.max_tokens_per_rank if self.sync_free else None,
-                                     node_group=self.node_group and self.node_group.group)
+            plan = self.plan_of(routing)
             if plan.dedup is not None:
                 self.last_overflow = plan.dedup.overflow
                 y_TD = self.dedup_experts(x, plan, routing.weight_TK)
@@ -299,6 +296,13 @@ class FMoE(nn.Module):
             y_TD = self.add_shared(y_TD, x_TD)
         self.record(routing, plan)
         return y_TD
+
+    def plan_of(self, routing: Routing) -> RoutingPlan:
+        """The routing plan of this forward: rows in expert order and, across ranks, the exchange."""
+        return RoutingPlan.build(routing.expert_idx_TK, self.tot_expert, self.world_size, self.moe_group,
+                                 self.shadow_policy, exchange=self.exchange, ranks_per_node=self.ranks_per_node,
+                                 traffic=self.traffic, bound=self.max_tokens_per_rank if self.sync_free else None,
+                                 node_group=self.node_group and self.node_group.group)
 
     def enter(self, moe_inp):
         """Before the main path: the input checked, every tensor as rows [T, *] and, with a

@@ -135,6 +135,26 @@ def test_lean_mlp_gradcheck_float64(act, keep_hidden, sync_free, monkeypatch):
     assert torch.autograd.gradcheck(layer, leaves)
 
 
+@pytest.mark.parametrize("act", ["gelu", "swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("keep_hidden", [True, False])
+@pytest.mark.parametrize("sync_free", [False, True], ids=["by_expert", "grouped"])
+def test_routed_mlp_gradcheck_float64(act, keep_hidden, sync_free, monkeypatch):
+    """The lean MLP with the combine (the default path on one rank), both torch bodies."""
+    monkeypatch.setenv("FMOE_SYNC_FREE", "1" if sync_free else "0")
+    torch.manual_seed(2)
+    spec = fmoe.experts.fused_activation_spec(ACTIVATIONS[act])
+    width1 = 2 * H if act in GATED else H
+    plan = RoutingPlan.build(torch.randint(-1, E, (6, K)), E)
+    leaves = [torch.randn(6, D, dtype=torch.float64), torch.rand(6, K, dtype=torch.float64),
+              torch.randn(E, D, width1, dtype=torch.float64) / 3, torch.randn(E, H, D, dtype=torch.float64) / 3,
+              torch.randn(E, width1, dtype=torch.float64), torch.randn(E, D, dtype=torch.float64)]
+
+    def layer(x, weight_TK, w1, w2, b1, b2):
+        return kernels.routed_mlp(x, plan, weight_TK, spec, w1, w2, b1, b2, keep_hidden=keep_hidden,
+                                  backend="torch")
+    assert torch.autograd.gradcheck(layer, [t.requires_grad_(True) for t in leaves])
+
+
 def test_bad_recompute_is_refused():
     with pytest.raises(ValueError, match="recompute must be one of"):
         make_layer(recompute="all")

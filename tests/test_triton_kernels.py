@@ -281,3 +281,58 @@ def test_benchmark_quick_writes_json(tmp_path):
     assert payload["quick"] is True and payload["grouped_mm"] and payload["layer"]
     for row in payload["grouped_mm"]:
         assert row["max_rel_err"] < 2e-2 and row["results"]["triton"]["ms"] > 0
+
+
+# The fused lean MLP with its combine (fmoe.kernels.routed_mlp): every activation layout, with and
+# without biases and the kept pre-activation, dropped slots and an expert without rows.
+ROUTED_SPECS = ["gelu", "relu", "swiglu", "glu:gelu_tanh:interleaved", "glu:relu:split",
+                "clamped_swiglu:1.702:0.5:interleaved", "clamped_swiglu:1.702:0.5:split"]
+
+
+def routed_inputs(spec, dtype, bias, T=10, D=16, H=16, E=4, K=2):
+    g = torch.Generator().manual_seed(3)
+    width1 = H if spec in ("gelu", "relu") else 2 * H
+    x = torch.randn(T, D, generator=g)
+    w1 = torch.randn(E, D, width1, generator=g) / D ** 0.5
+    w2 = torch.randn(E, H, D, generator=g) / H ** 0.5
+    weight = torch.rand(T, K, generator=g)
+    b1, b2 = (torch.randn(E, width1, generator=g), torch.randn(E, D, generator=g)) if bias else (None, None)
+    to = lambda t: None if t is None else t.to(DEVICE, dtype)    # noqa: E731
+    return [to(x), to(weight), to(w1), to(w2), to(b1), to(b2)]
+
+
+@pytest.mark.parametrize("keep_hidden", [True, False], ids=["keep_hidden", "recompute_hidden"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("spec", ROUTED_SPECS)
+def test_routed_mlp(spec, bias, keep_hidden):
+    idx_TK = torch.randint(0, 3, (10, 2), generator=torch.Generator().manual_seed(1))   # expert 3 gets no rows
+    idx_TK[::4, 1] = -1                                                                   # dropped slots
+    plan = make_plan_of(idx_TK)
+    inputs = [t for t in routed_inputs(spec, torch.float32, bias) if t is not None]
+
+    def run(ops, x, weight, w1, w2, *b):
+        return ops.routed_mlp(x, plan, weight, spec, w1, w2, *b, keep_hidden=keep_hidden)
+    assert_same(run_both(run, inputs), torch.float32, ["x", "weight", "w1", "w2", "b1", "b2"])
+
+
+def make_plan_of(idx_TK):
+    return RoutingPlan.build(idx_TK.to(DEVICE), 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_routed_mlp_16bit(dtype):
+    """16-bit operands, fp32 accumulators and routing weights: the torch body within 16-bit tolerances."""
+    plan = make_plan_of(torch.randint(0, 4, (10, 2), generator=torch.Generator().manual_seed(2)))
+    x, weight, w1, w2, b1, b2 = routed_inputs("swiglu", dtype, True)
+
+    def run(ops, x, weight, w1, w2, b1, b2):
+        return ops.routed_mlp(x, plan, weight, "swiglu", w1, w2, b1, b2)
+    assert_same(run_both(run, [x, weight.float(), w1, w2, b1, b2]), dtype, ["x", "weight", "w1", "w2", "b1", "b2"])
+
+
+def test_routed_mlp_refuses_a_plan_across_ranks():
+    plan = make_plan_of(torch.zeros(4, 2, dtype=torch.long))
+    plan.dedup = object()
+    x, weight, w1, w2, _, _ = routed_inputs("gelu", torch.float32, False, T=4)
+    with pytest.raises(ValueError, match="routed_mlp takes a plan on one rank"):
+        kernels.routed_mlp(x, plan, weight, "gelu", w1, w2)
