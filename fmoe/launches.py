@@ -216,15 +216,21 @@ def _interpreting() -> bool:
     return interpreting()
 
 
-def count_launches(layer, x_TD: torch.Tensor, dy_TD: torch.Tensor) -> LaunchTable:
-    """The launches of one forward and backward of `layer` (an FMoE) on x_TD with output gradient
-    dy_TD, and, apart, of its router alone (gate, routing plan, the gate's backward)."""
-    x_TD = x_TD.detach().requires_grad_(x_TD.requires_grad)
+def count_launches(layer, x: torch.Tensor, dy: torch.Tensor) -> LaunchTable:
+    """The launches of one forward and backward of `layer` on x with output gradient dy and, for an
+    FMoE layer, apart, of its router alone (gate, routing plan, the gate's backward)."""
+    x = x.detach().requires_grad_(x.requires_grad)
     with counting() as counter:
-        y = layer(x_TD)
+        y = layer(x)
         counter.phase = "backward"
-        torch.autograd.backward(y, dy_TD)
-    x_rows = x_TD.detach().requires_grad_(x_TD.requires_grad)
+        torch.autograd.backward(y[0] if isinstance(y, tuple) else y, dy)
+    router = _router_launches(layer, x.detach().reshape(-1, x.shape[-1])) if hasattr(layer, "plan_of") else []
+    layer.zero_grad(set_to_none=True)
+    return LaunchTable(counter.launches, router, x.numel() // x.shape[-1])
+
+
+def _router_launches(layer, x_TD: torch.Tensor) -> List[Launch]:
+    x_rows = x_TD.requires_grad_(True)
     with counting() as router:
         routing = layer.route(x_rows, x_rows)
         layer.plan_of(routing)
@@ -234,9 +240,7 @@ def count_launches(layer, x_TD: torch.Tensor, dy_TD: torch.Tensor) -> LaunchTabl
             router_backward.phase = "backward"
             torch.autograd.backward(routing.weight_TK, grad_TK)
         router.launches += router_backward.launches
-    if x_TD.requires_grad:
         # Autograd adds the router's gradient of x to the experts' (one T x D add): the router's cost.
         size = x_TD.numel() * x_TD.element_size()
         router.launches.append(Launch("aten::add", "glue", 2 * size, size, "backward", [(tuple(x_TD.shape), x_TD.dtype)]))
-    layer.zero_grad(set_to_none=True)
-    return LaunchTable(counter.launches, router.launches, x_TD.shape[0])
+    return router.launches
