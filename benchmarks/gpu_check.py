@@ -108,8 +108,7 @@ def real_resources(deadline: float, dtype=torch.bfloat16, shape=None, device: st
     rows = []
     for name, kernel, args, constexprs, family in aot.launches(dtype, shape or aot.SHAPE, target=10 * major + minor,
                                                                device=device):
-        configs = {"gemm": lambda: gmm.gpu_configs(generation, gmm.dot_mode(dtype), autotune=False),
-                   "tma": lambda: tma.tma_configs(gmm.dot_mode(dtype), autotune=False), None: lambda: [None]}[family]()
+        configs = aot.configs_of(family, generation, gmm.dot_mode(dtype), autotune=False)
         if time.perf_counter() > deadline:
             break
         config = configs[0]

@@ -18,8 +18,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 GEMMS = {"grouped_mm", "grouped_mm+bias", "gather_grouped_mm", "gather_grouped_mm+bias", "grouped_mm[w^T]",
-         "weight_grad", "weight_grad[gather]"}
-OTHERS = {"expert_row_sums", "permute", "gather_sum", "gather_sum[weighted]", "unpermute_backward"}
+         "weight_grad", "weight_grad[gather]", "weight_grad[gather_dy]",
+         "up_act[gelu]", "up_act[swiglu]", "act_grad[gelu]", "act_grad[swiglu]"}     # the last four: triton_lean
+OTHERS = {"expert_row_sums", "permute", "gather_sum", "gather_sum[weighted]", "unpermute_backward",
+          "expert_row_sums[weighted]", "slot_sums"}
 HOPPER = {"tma_grouped_mm", "tma_grouped_mm+bias", "tma_gather_grouped_mm", "tma_gather_grouped_mm+bias",
           "tma_grouped_mm[w^T]"}
 

@@ -33,6 +33,11 @@ def tma_calls(monkeypatch):
 
 
 TMA_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def takes_tma(dtype) -> bool:
+    """On a GPU fp32 keeps the plain kernel; the interpreter runs the TMA kernel in every dtype."""
+    return DEVICE == "cpu" or dtype != torch.float32
 COUNTS = {"empty_and_single_and_partial": [0, 1, 17, 0, 30], "one_expert_holds_all": [0, 0, 40, 0],
           "single_expert": [37], "no_rows": [0, 0, 0]}
 
@@ -45,7 +50,7 @@ def test_grouped_mm_through_descriptors(case, dtype, tma_calls):
     results = run_both(lambda ops, x, w, c, *b: ops.grouped_mm(x, w, c, *b), inputs)
     assert_same(results, dtype, ["x", "w", "bias"])
     if case != "no_rows":
-        assert tma_calls == [False, True]
+        assert tma_calls == ([False, True] if takes_tma(dtype) else [])
 
 
 @pytest.mark.parametrize("dtype", TMA_DTYPES, ids=str)
@@ -54,17 +59,17 @@ def test_gather_grouped_mm_through_descriptors(case, dtype, tma_calls):
     """Rows of x read through the plan's token index (plain loads), weight and output through descriptors."""
     assert_gather_grouped_mm_agrees(case, dtype, width=32)
     if case != "no_tokens":
-        assert len(tma_calls) == 2
+        assert len(tma_calls) == (2 if takes_tma(dtype) else 0)
 
 
 def test_rows_past_the_segments_stay_zero_and_neighbours_intact(tma_calls):
     """A 1-row expert's 16-row tile must not write its neighbour's rows (the store is clipped), and rows
     of dropped slots past the last segment stay zero."""
-    x, w, counts = expert_inputs([1, 20, 2], 32, 16, torch.float32)
-    x = torch.cat([x, torch.randn(5, 32, device=DEVICE)])      # 5 rows beyond the segments
+    x, w, counts = expert_inputs([1, 20, 2], 32, 16, torch.bfloat16)
+    x = torch.cat([x, torch.randn(5, 32, device=DEVICE, dtype=torch.bfloat16)])      # 5 rows beyond the segments
     y = triton_ops.grouped_mm_rows(x, w, counts)
     ref = torch_ops.grouped_mm_rows(x, w, counts, sync_free=True)
-    torch.testing.assert_close(y, ref, **TOL[torch.float32])
+    torch.testing.assert_close(y, ref, **TOL[torch.bfloat16])
     assert torch.count_nonzero(y[23:]) == 0 and tma_calls == [False]
 
 
@@ -74,7 +79,10 @@ def test_lean_layer_with_tma_equals_torch(dtype, recompute, tma_calls):
     """FMoETransformerMLP, SwiGLU, capacity drops: its GEMMs that read rows (the gathered first GEMM,
     the second, the input gradients) take the TMA kernel; the weight gradients the plain one."""
     assert_layer_backends_agree(dtype, recompute=recompute)
-    assert False in tma_calls and True in tma_calls
+    if takes_tma(dtype):
+        assert False in tma_calls and True in tma_calls
+    else:
+        assert tma_calls == []
 
 
 def test_operands_the_copy_engine_cannot_take_fall_back(tma_calls):
@@ -86,13 +94,19 @@ def test_operands_the_copy_engine_cannot_take_fall_back(tma_calls):
     assert tma_calls == []
 
 
-def test_off_by_default(monkeypatch):
+def test_on_by_default_on_gpus_only(monkeypatch):
+    """Unset: on for CUDA tensors (tma_applies then wants sm_90+ and 16-bit), off in the interpreter
+    and on CPU tensors; FMOE_TRITON_TMA=0 turns it off, =1 on (the interpreter too)."""
     monkeypatch.delenv("FMOE_TRITON_TMA", raising=False)
     calls = []
     monkeypatch.setattr(triton_grouped_mm_tma, "grouped_mm_rows_tma", lambda *a: calls.append(a))
-    x, w, counts = expert_inputs([5, 11], 32, 16, torch.float32)
+    x, w, counts = expert_inputs([5, 11], 32, 16, torch.bfloat16)
     kernels.grouped_mm(x, w, counts, backend="triton")
-    assert calls == [] and not triton_grouped_mm_tma.tma_enabled()
+    assert calls == [] and not triton_grouped_mm_tma.tma_enabled(on_gpu=False)
+    monkeypatch.setattr(triton_grouped_mm_tma, "interpreting", lambda: False)
+    assert triton_grouped_mm_tma.tma_enabled(on_gpu=True)
+    monkeypatch.setenv("FMOE_TRITON_TMA", "0")
+    assert not triton_grouped_mm_tma.tma_enabled(on_gpu=True)
     monkeypatch.setenv("FMOE_TRITON_TMA", "sometimes")
     with pytest.raises(ValueError, match="FMOE_TRITON_TMA"):
         triton_grouped_mm_tma.tma_enabled()
@@ -102,20 +116,19 @@ def test_fmoe_info_says_whether_it_is_on(monkeypatch):
     from fmoe import kernels
 
     monkeypatch.delenv("FMOE_TRITON_TMA", raising=False)
-    assert kernels.backend_report()["triton_tma"].startswith("off")
+    assert kernels.backend_report()["triton_tma"].startswith("default: on for bf16/fp16 on sm_90")
     monkeypatch.setenv("FMOE_TRITON_TMA", "1")
     assert kernels.backend_report()["triton_tma"].startswith("on")
+    monkeypatch.setenv("FMOE_TRITON_TMA", "0")
+    assert kernels.backend_report()["triton_tma"].startswith("off")
 
 
-def test_gpus_before_hopper_keep_the_plain_kernel(monkeypatch):
-    """On CUDA tensors the path needs sm_90 or later (TMA, wgmma) and a tensor-core dot."""
+def test_hopper_takes_it_in_16_bit_and_fp32_keeps_the_plain_kernel():
+    """sm_90 and later (TMA, wgmma) in bf16 / fp16; fp32 keeps the plain kernel, TF32 or not."""
     takes = triton_grouped_mm_tma.gpu_takes_tma
     assert not takes((8, 0), torch.bfloat16) and not takes((8, 9), torch.float16)
     assert takes((9, 0), torch.bfloat16) and takes((10, 0), torch.float16)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert takes((9, 0), torch.float32)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert not takes((9, 0), torch.float32)       # exact fp32 runs on the CUDA cores: nothing to feed
+    assert not takes((9, 0), torch.float32)
 
 
 def test_allocator_installed_per_context_and_a_users_own_kept():

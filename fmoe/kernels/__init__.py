@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from fmoe.autocast import autocast_dtype
-from fmoe.env import env_choice, env_flag
+from fmoe.env import env_choice
 from fmoe.kernels import checks, ops, torch_ops
 from fmoe.routing import RoutingPlan
 
@@ -106,14 +106,17 @@ def backend_report() -> dict:
 
 
 def _tma_state() -> str:
-    """Whether the Hopper grouped GEMM (tensor descriptors, persistent tiles) is opted into."""
+    """Whether the Hopper grouped GEMM (tensor descriptors, persistent tiles) is on."""
+    from fmoe.kernels.triton_grouped_mm_tma import tma_setting
     try:
-        on = env_flag("FMOE_TRITON_TMA", False)
+        setting = tma_setting()
     except ValueError as err:
         return f"error: {err}"
-    if on:
-        return "on (FMOE_TRITON_TMA=1): the row-reading GEMMs on sm_90 and later"
-    return "off (FMOE_TRITON_TMA=1 opts in, sm_90 and later; not yet checked on a GPU)"
+    if setting is None:
+        return "default: on for bf16/fp16 on sm_90 and later (FMOE_TRITON_TMA=0 turns it off)"
+    if setting:
+        return "on (FMOE_TRITON_TMA=1): the row-reading GEMMs on sm_90 and later, and in the interpreter"
+    return "off (FMOE_TRITON_TMA=0)"
 
 
 def _explained_choice(device: Optional[torch.device]) -> str:

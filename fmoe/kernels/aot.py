@@ -44,6 +44,7 @@ except ImportError as err:
 
 from fmoe.kernels import triton_grouped_mm as gmm
 from fmoe.kernels import triton_grouped_mm_tma as tma
+from fmoe.kernels import triton_lean as lean
 from fmoe.kernels import triton_permute as perm
 
 # Per-block shared memory each target allows (opt-in maximum), in bytes.
@@ -73,7 +74,9 @@ def _tf32(allowed: bool):
 
 def launches(dtype: torch.dtype, shape: dict = SHAPE, target: int = 90, device: str = "meta"):
     """(name, kernel, args, constexprs, configs) of every launch the layer makes on `target`, on meta
-    tensors; configs is "gemm" (the GEMMs' autotune list), "tma" (the Hopper kernel's) or None (fixed).
+    tensors; configs is "gemm" (the GEMMs' autotune list), a key of `triton_lean.EPILOGUES` (that list
+    fitted to a kernel with an activation epilogue), "tma" (the Hopper kernel's) or None (fixed):
+    `configs_of` lists them.
     The Hopper kernel (FMOE_TRITON_TMA=1) is listed for sm_90 and dtypes whose dot has tensor cores.
     On device="cuda" the tensors are real (uninitialised), for loading the same kernels on a GPU."""
     T, D, F, E, K = (shape[k] for k in ("T", "D", "F", "E", "K"))
@@ -97,6 +100,20 @@ def launches(dtype: torch.dtype, shape: dict = SHAPE, target: int = 90, device: 
     gemms = {name: gmm.grouped_mm_launch(x, w, counts_e, rows, b, y) for name, (x, w, rows, b, y) in row_gemms.items()}
     gemms["weight_grad"] = gmm.weight_grad_launch(x_ND, h_NF, counts_e, None, w_eDF)
     gemms["weight_grad[gather]"] = gmm.weight_grad_launch(x_TD, h_NF, counts_e, token_N, w_eDF)
+    # The fused lean MLP (triton_lean): up GEMM + activation, the activation-gradient GEMM, dW2 reading dy's rows.
+    w1g_eDH, h_NH, a_NF, w2_eFD, b_eD = empty(E, D, 2 * F), empty(N, 2 * F), empty(N, F), empty(E, F, D), empty(E, D)
+    part_NP = empty(N, triton.cdiv(F, lean.GRAD_BLOCK_N) + 1, dt=torch.float32)
+    weight_S = weight_TK.view(-1)
+    gemms["weight_grad[gather_dy]"] = gmm.weight_grad_launch(a_NF, x_TD, counts_e, None, w2_eFD, dy_rows_N=token_N)
+    fused = {   # name: (launch, its EPILOGUES family)
+        "up_act[gelu]": (lean.up_act_launch(x_TD, token_N, counts_e, w_eDF, b_eF, h_NF, h_NF, "gelu"), "up_plain"),
+        "up_act[swiglu]": (lean.up_act_launch(x_TD, token_N, counts_e, w1g_eDH, None, h_NH, a_NF, "swiglu"),
+                           "up_gated"),
+        "act_grad[gelu]": (lean.act_grad_launch(x_TD, token_N, token_N, weight_S, counts_e, w2_eFD, b_eD, h_NF,
+                                                h_NF, a_NF, part_NP, "gelu"), "act_grad"),
+        "act_grad[swiglu]": (lean.act_grad_launch(x_TD, token_N, token_N, weight_S, counts_e, w2_eFD, None, h_NH,
+                                                  h_NH, a_NF, part_NP, "swiglu"), "act_grad"),
+    }
     hopper = {}
     if target >= 90 and gmm.dot_mode(dtype) in tma.TMA_CONFIGS:
         hopper = {f"tma_{name}": tma.grouped_mm_tma_launch(x, w, counts_e, rows, b, y)
@@ -108,10 +125,25 @@ def launches(dtype: torch.dtype, shape: dict = SHAPE, target: int = 90, device: 
         "gather_sum[weighted]": perm.gather_sum_launch(x_ND, row_of_slot_TK, weight_TK, x_TD),
         "unpermute_backward": perm.unpermute_backward_launch(x_TD, x_ND, weight_TK, token_N, token_N, x_ND,
                                                              weight_TK),
+        "expert_row_sums[weighted]": gmm.row_sums_launch(x_TD, counts_e, b_eD, token_N, token_N, weight_S),
+        "slot_sums": lean.slot_sums_launch(part_NP, row_of_slot_TK.view(-1), weight_S),
     }
     return ([(name, *launch, "gemm") for name, launch in gemms.items()]
+            + [(name, *launch, family) for name, (launch, family) in fused.items()]
             + [(name, *launch, "tma") for name, launch in hopper.items()]
             + [(name, *launch, None) for name, launch in others.items()])
+
+
+def configs_of(family, generation: str, mode: str, autotune: bool = True) -> list:
+    """The configs a launch of this `family` (see `launches`) may run with; [None] for a fixed one."""
+    if family == "gemm":
+        return gmm.gpu_configs(generation, mode, autotune)
+    if family in lean.EPILOGUES:
+        fitted = gmm.fit_epilogue(gmm.gpu_configs(generation, mode), *lean.EPILOGUES[family])
+        return fitted if autotune else fitted[:1]
+    if family == "tma":
+        return tma.tma_configs(mode, autotune)
+    return [None]
 
 
 def _source(kernel, args, constexprs, options: dict, backend):
@@ -236,8 +268,7 @@ def _report_pair(cc: int, dtype_name: str) -> list:
     with _tf32(tf32):
         mode = gmm.dot_mode(dtype)
         for name, kernel, args, constexprs, family in launches(dtype, target=cc):
-            configs = {"gemm": lambda: gmm.gpu_configs(generation, mode), "tma": lambda: tma.tma_configs(mode),
-                       None: lambda: [None]}[family]()
+            configs = configs_of(family, generation, mode)
             for i, config in enumerate(configs):
                 options = {**config.kwargs, "num_warps": config.num_warps,
                            "num_stages": config.num_stages} if config else {}

@@ -8,6 +8,7 @@ input rows may be gathered through an index (`rows_N`), so a permuted copy need 
 """
 import functools
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -217,18 +218,32 @@ def pinned(configs, fixed: dict):
     return out
 
 
+def fit_epilogue(configs, block_n=None, accumulators: int = 1):
+    """Configs for a GEMM with work in its epilogue: BLOCK_N pinned to `block_n` (when given) and no
+    more than 64 fp32 elements a thread per accumulator-sized tile, counting `accumulators` such
+    tiles live at once (two accumulators, or one and the epilogue's reloads). Past that the
+    activation kernels spill on sm_80 / sm_90 (`python -m fmoe.kernels.aot`)."""
+    if block_n is not None:
+        configs = pinned(configs, {"BLOCK_N": block_n})
+    return [c for c in configs
+            if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * accumulators <= 64 * 32 * c.num_warps] or configs[-1:]
+
+
 @functools.lru_cache(maxsize=None)
-def _tuned(kernel, generation: str, mode: str, autotune: bool, key: tuple, fixed: tuple):
-    """`kernel` autotuned over its configs (with the `fixed` meta-parameters), keyed on `key`."""
-    return triton.autotune(pinned(gpu_configs(generation, mode, autotune), dict(fixed)), key=list(key))(kernel)
+def _tuned(kernel, generation: str, mode: str, autotune: bool, key: tuple, epilogue: Optional[tuple]):
+    """`kernel` autotuned over its configs (fitted to an `epilogue` (block_n, accumulators)), keyed on `key`."""
+    configs = gpu_configs(generation, mode, autotune)
+    if epilogue is not None:
+        configs = fit_epilogue(gpu_configs(generation, mode, True), *epilogue)[:len(configs)]
+    return triton.autotune(configs, key=list(key))(kernel)
 
 
-def _launcher(kernel, device: torch.device, dtype: torch.dtype, key=("I", "O", "GATHER"), fixed=None):
+def _launcher(kernel, device: torch.device, dtype: torch.dtype, key=("I", "O", "GATHER"), epilogue=None):
     """The kernel to launch: FMOE_TRITON_AUTOTUNE=0 skips tuning (fewer compiles, e.g. for tests);
-    `fixed` pins meta-parameters that the launch needs to know (a tile width)."""
+    `epilogue` = (block_n or None, accumulators) fits the configs to a kernel with an epilogue."""
     generation = "interpreter" if interpreting() else generation_of(torch.cuda.get_device_capability(device)[0])
     return _tuned(kernel, generation, dot_mode(dtype), os.environ.get("FMOE_TRITON_AUTOTUNE", "1") != "0",
-                  tuple(key), tuple(sorted((fixed or {}).items())))
+                  tuple(key), epilogue)
 
 
 def _dot_args(dtype: torch.dtype) -> dict:

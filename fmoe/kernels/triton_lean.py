@@ -31,8 +31,11 @@ KIND_PLAIN, KIND_GLU, KIND_CLAMPED = 0, 1, 2
 ACTS = {"relu": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
 # The column tile of the activation-gradient kernel is fixed (not tuned): the routing weight's
 # partial sums are one fp32 column per tile, and their number must be known before the launch.
-GRAD_BLOCK_N = 128
+# The gated up GEMM (two accumulators) takes the same. 64: wider tiles spill (fmoe.kernels.aot).
+GRAD_BLOCK_N = 64
 _INTERPRETER_GRAD_BLOCK_N = 16
+# (pinned BLOCK_N, fp32 tiles live at once) per kernel: `triton_grouped_mm.fit_epilogue`.
+EPILOGUES = {"up_plain": (None, 1), "up_gated": (GRAD_BLOCK_N, 2), "act_grad": (GRAD_BLOCK_N, 2)}
 
 
 def activation_constexprs(spec: str, F: int) -> dict:
@@ -223,19 +226,28 @@ def _act_grad_kernel(
 
 @triton.jit(do_not_specialize=["S"])
 def _slot_sums_kernel(part_ptr, row_of_slot_ptr, out_ptr, S, P, stride_pn,
-                      BLOCK_S: tl.constexpr, P_POW2: tl.constexpr):
+                      BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr):
     """out[slot] = the sum of its row's P partial sums, in order (0 for a dropped slot)."""
     slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     slot_ok = slots < S
     rows = tl.load(row_of_slot_ptr + slots, mask=slot_ok, other=-1).to(tl.int64)
-    ps = tl.arange(0, P_POW2)
-    vals = tl.load(part_ptr + rows[:, None] * stride_pn + ps[None, :],
-                   mask=(rows >= 0)[:, None] & (ps < P)[None, :], other=0.0)
-    tl.store(out_ptr + slots, tl.sum(vals, axis=1).to(out_ptr.dtype.element_ty), mask=slot_ok)
+    ps = tl.arange(0, BLOCK_P)
+    acc = tl.zeros((BLOCK_S,), dtype=tl.float32)
+    for p in range(0, P, BLOCK_P):
+        vals = tl.load(part_ptr + rows[:, None] * stride_pn + (p + ps)[None, :],
+                       mask=(rows >= 0)[:, None] & (p + ps < P)[None, :], other=0.0)
+        acc += tl.sum(vals, axis=1)
+    tl.store(out_ptr + slots, acc.to(out_ptr.dtype.element_ty), mask=slot_ok)
 
 
 def grad_block_n() -> int:
     return _INTERPRETER_GRAD_BLOCK_N if interpreting() else GRAD_BLOCK_N
+
+
+def _epilogue(kernel: str):
+    """The kernel's `EPILOGUES` entry; the interpreter's one config has its own tile width."""
+    block_n, accumulators = EPILOGUES[kernel]
+    return (None if block_n is None else grad_block_n(), accumulators)
 
 
 def _grid_rows_cols(N, E, F):
@@ -271,7 +283,8 @@ def up_act(x_XD, rows_N, counts_e, w1_eDH, b1_eH, spec, store_act=True):
     if N == 0 or H == 0:
         return h_NH, a_NF
     kernel, args, constexprs = up_act_launch(x_XD, rows_N, counts_e, w1_eDH, b1_eH, h_NH, a_NF, spec)
-    tuned = _launcher(kernel, x_XD.device, x_XD.dtype, key=("I", "F", "GATHER", "KIND"))
+    tuned = _launcher(kernel, x_XD.device, x_XD.dtype, key=("I", "F", "GATHER", "KIND"),
+                      epilogue=_epilogue("up_plain" if constexprs["KIND"] == KIND_PLAIN else "up_gated"))
     tuned[_grid_rows_cols(N, E, F)](*args, **constexprs)
     return h_NH, a_NF
 
@@ -303,7 +316,7 @@ def act_grad(dy_TD, rows_N, slot_N, weight_S, counts_e, w2_eFD, b2_eD, h_NH, spe
         return dh_NH, as_NF, part_NP
     kernel, args, constexprs = act_grad_launch(dy_TD, rows_N, slot_N, weight_S, counts_e, w2_eFD, b2_eD, h_NH, dh_NH,
                                                as_NF, part_NP, spec)
-    tuned = _launcher(kernel, dy_TD.device, dy_TD.dtype, key=("D", "F", "KIND"), fixed={"BLOCK_N": block_n})
+    tuned = _launcher(kernel, dy_TD.device, dy_TD.dtype, key=("D", "F", "KIND"), epilogue=_epilogue("act_grad"))
     tuned[_grid_rows_cols(N, E, F)](*args, **constexprs)
     return dh_NH, as_NF, part_NP
 
@@ -311,7 +324,7 @@ def act_grad(dy_TD, rows_N, slot_N, weight_S, counts_e, w2_eFD, b2_eD, h_NH, spe
 def slot_sums_launch(part_NP, row_of_slot_S, out_S):
     S, P = out_S.shape[0], part_NP.shape[1]
     return _slot_sums_kernel, (part_NP, row_of_slot_S, out_S, S, P, part_NP.stride(0)), \
-        dict(BLOCK_S=128, P_POW2=triton.next_power_of_2(max(P, 1)))
+        dict(BLOCK_S=128, BLOCK_P=min(triton.next_power_of_2(max(P, 1)), 16))
 
 
 def slot_sums(part_NP, row_of_slot_TK, dtype):
