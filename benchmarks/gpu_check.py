@@ -6,6 +6,7 @@
     python benchmarks/gpu_check.py memory --out PATH [--quick]         # activation memory per recompute mode
     python benchmarks/gpu_check.py aot_vs_real --out PATH [--quick]    # registers / spills loaded vs the AOT report
     python benchmarks/gpu_check.py tma --out PATH [--quick]            # FMOE_TRITON_TMA=1 against the default
+    python benchmarks/gpu_check.py versus_hf --out PATH [--quick]      # the layer beside transformers' block
     python benchmarks/gpu_check.py failed --out PATH --step S --rc N --log FILE   # a step that did not finish
     python benchmarks/gpu_check.py summary --out PATH                  # the headline figures (exit 1: a step failed)
 
@@ -35,6 +36,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import bench_kernels  # noqa: E402
 import bench_memory  # noqa: E402
+import bench_versus_hf  # noqa: E402
 from common import machine  # noqa: E402
 from fmoe.files import write_json  # noqa: E402
 
@@ -173,7 +175,29 @@ def tma_check(quick: bool) -> dict:
     return {"grouped_mm": bench_kernels.bench_grouped_mm([shape], torch.bfloat16, device, bench)}
 
 
-STEPS = {"memory": memory, "aot_vs_real": aot_vs_real, "tma": tma_check}
+def versus_hf(quick: bool) -> dict:
+    """fmoe's layer per recompute mode beside transformers' Qwen3-MoE block (grouped_mm experts, and fmoe
+    experts with the same weights): TFLOP/s, peak, first-call seconds, a profile (bench_versus_hf.py)."""
+    return bench_versus_hf.run(quick, seconds=55)     # the step's budget is 100 s: no shape starts after 55
+
+
+def versus_hf_summary(doc: dict) -> dict:
+    """The issue's headline figures from checks.versus_hf: the default layer at each shape against the
+    grouped_mm block, and whether "none" is no faster than the default."""
+    out = {}
+    for shape in doc.get("checks", {}).get("versus_hf", {}).get("shapes", []):
+        rows = shape["layers"]
+        default, none = rows.get("fmoe_activation", {}), rows.get("fmoe_none", {})
+        name = shape["shape"]
+        out[f"{name}_default_fwd_bwd_tflops"] = default.get("tflops")
+        out[f"{name}_default_vs_hf_grouped_mm"] = default.get("vs_hf_grouped_mm")
+        out[f"{name}_default_first_call_s"] = default.get("first_call_s")
+        if "tflops" in default and "tflops" in none:
+            out[f"{name}_none_not_faster"] = none["tflops"] <= default["tflops"]
+    return out
+
+
+STEPS = {"memory": memory, "aot_vs_real": aot_vs_real, "tma": tma_check, "versus_hf": versus_hf}
 
 
 def main(argv=None) -> int:
@@ -205,7 +229,7 @@ def main(argv=None) -> int:
                                                 **doc.get("checks", {}).get(args.failed_step, {})})
     elif args.step == "summary":
         doc = load(args.out)
-        doc["summary"] = bench_kernels.summarize(doc)
+        doc["summary"] = {**bench_kernels.summarize(doc), **versus_hf_summary(doc)}
         doc["summary"]["steps_failed"] = sorted(k for k, v in doc.get("checks", {}).items()
                                                 if "error" in v)
         write_json(args.out, doc, indent=2)

@@ -25,16 +25,21 @@ def test_dry_run_writes_every_section_and_the_summary(tmp_path):
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert set(doc["checks"]) == {"memory", "aot_vs_real", "tma"}, doc["checks"]
+    assert set(doc["checks"]) == {"memory", "aot_vs_real", "tma", "versus_hf"}, doc["checks"]
     assert not [k for k, v in doc["checks"].items() if "error" in v], doc["checks"]
     modes = doc["checks"]["memory"]["modes"]
     assert set(modes) == {"activation", "experts", "none"}
     assert modes["none"]["saved_bytes_per_token"] > modes["activation"]["saved_bytes_per_token"] > 0
     assert all(r["same_registers"] for r in doc["checks"]["aot_vs_real"]["rows"])
-    assert doc["grouped_mm"] and doc["layer"] and doc["fused_gather"]
+    assert doc["grouped_mm"] and doc["layer"]
+    versus = doc["checks"]["versus_hf"]["shapes"][0]
+    assert set(versus["layers"]) == {"fmoe_activation", "fmoe_experts", "fmoe_none", "hf_grouped_mm", "hf_fmoe_experts"}
+    assert all("tflops" in row and "peak_bytes" in row and "first_call_s" in row for row in versus["layers"].values())
+    assert 0 < versus["profile_fmoe_default"]["gemm_share"] <= 1
     summary = doc["summary"]
     assert SUMMARY_KEYS | {f"{k}_tma" for k in SUMMARY_KEYS} <= set(summary)
     assert summary["quick"] is True and summary["missing"] == [] and summary["steps_failed"] == []
+    assert summary["tiny_default_vs_hf_grouped_mm"]["speed"] > 0 and "tiny_none_not_faster" in summary
     # the layer agreed with the torch backend and the GEMMs with a per-expert matmul, Hopper kernel too
     for row in doc["layer"] + doc["grouped_mm"] + doc["checks"]["tma"]["grouped_mm"]:
         assert row["max_rel_err"] < 2e-2 and row["tma_max_rel_err"] < 2e-2, row["shape"]
