@@ -168,7 +168,7 @@ class FMoE(nn.Module):
             raise ValueError("exchange='node' does not run under the smart schedule (schedule=True or "
                              "FMOE_FASTER_SCHEDULE_ENABLE=1), which pipelines one exchange over the ranks: "
                              "pass exchange='rank' or 'slot'")
-        self.ranks_per_node = ranks_per_node_of(self.world_size, ranks_per_node)
+        self.ranks_per_node = ranks_per_node_of(self.world_size, ranks_per_node, whole_nodes=self.exchange == "node")
         self.traffic = None if self.world_size == 1 else Traffic(self.moe_rank, self.ranks_per_node)
         self.sync_free, self.max_tokens_per_rank = check_sync_free(sync_free, max_tokens_per_rank, self.exchange,
                                                                    self.shadow_policy, self.schedule)
