@@ -322,3 +322,18 @@ def _sum_rows_backward(ctx, grad_TD):
 
 
 sum_rows.register_autograd(_sum_rows_backward, setup_context=_sum_rows_setup)
+
+
+# The ops above that run only inside a backward: differentiating them is a double backward.
+
+def _refuse_double_backward(qualname: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{qualname}: double backward (a gradient of a gradient: create_graph=True and then a "
+                           "backward through it, gradgradcheck, a gradient penalty) is not supported by fmoe's "
+                           "fused ops")
+    return backward
+
+
+for _op in (gather_sum, unpermute_backward, grouped_mm_weight_grad, expert_row_sums, expert_mlp_backward,
+            weighted_mlp_backward):
+    _op.register_autograd(_refuse_double_backward(_op._qualname))
