@@ -203,6 +203,10 @@ class BaseGate(nn.Module):
         forward_cls, route_cls = self._defined_in("forward"), self._defined_in("route")
         if forward_cls is not BaseGate and forward_cls is not route_cls and issubclass(forward_cls, route_cls):
             return self._routing_from_forward(x_TD)
+        if not isinstance(x_TD, torch.Tensor):
+            raise TypeError(f"{type(self).__name__} routes one tensor of rows [T, d_model], but the input is a "
+                            f"{type(x_TD).__name__} of tensors: a tree input needs a gate that takes the tree "
+                            "(a FastMoE-style gate whose forward(inp) reads it)")
         return self.routing_by_route(x_TD)
 
     def routing_by_route(self, x_TD: torch.Tensor) -> Routing:
