@@ -520,6 +520,15 @@ def convert(src: str, dst: str, to: str, ep_size: int = 1, layout: str = "sequen
     DST is refused unless `overwrite` (which replaces it whole), and on any error DST is unchanged."""
     if to not in FORMATS:
         raise ValueError(f"--to must be one of {FORMATS}, got {to!r}")
+    megatron_only = {"--ep-size": (ep_size, 1), "--pp-size": (pp_size, 1), "--expert-layout": (layout, "sequential")}
+    for name, (value, default) in megatron_only.items():
+        if to != "megatron" and value != default:
+            raise ValueError(f"{name} {value} lays out Megatron checkpoints only (--to megatron), not --to {to}: "
+                             "drop it")
+    if hf_config is not None and not os.path.isdir(hf_config):
+        raise ValueError(f"--hf-config {hf_config}: no such folder")
+    if hf_config is not None and not os.path.isfile(os.path.join(hf_config, HF_CONFIG)):
+        raise ValueError(f"--hf-config {hf_config}: the folder holds no {HF_CONFIG}")
     check_destination(src, dst, overwrite)
     ckpt = read(src)
     if hf_config is not None:

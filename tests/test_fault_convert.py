@@ -137,6 +137,26 @@ def test_a_flipped_byte_in_a_megatron_rank_file_fails_its_zip_crc(sources, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+# --- bad arguments ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("to", ["fmoe", "hf"])
+@pytest.mark.parametrize("option", [["--pp-size", "2"], ["--ep-size", "2"], ["--expert-layout", "grouped"]])
+def test_megatron_options_are_refused_for_other_layouts(sources, tmp_path, capsys, to, option):
+    err = fails_in_one_line(capsys, sources / "fmoe", tmp_path / "out", "--to", to, *option)
+    assert f"{' '.join(option)} lays out Megatron checkpoints" in err and f"--to {to}" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_hf_config_folder_is_named(sources, tmp_path, capsys):
+    err = fails_in_one_line(capsys, sources / "fmoe", tmp_path / "out", "--to", "hf", "--hf-config",
+                            tmp_path / "nonexistent")
+    assert f"--hf-config {tmp_path / 'nonexistent'}: no such folder" in err, err
+    (tmp_path / "empty").mkdir()
+    err = fails_in_one_line(capsys, sources / "fmoe", tmp_path / "out", "--to", "hf", "--hf-config", tmp_path / "empty")
+    assert f"--hf-config {tmp_path / 'empty'}: the folder holds no config.json" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 # --- an existing DST ------------------------------------------------------------------------------
 
 def test_an_existing_dst_is_refused_unless_overwrite_which_replaces_it_whole(sources, tmp_path, capsys):
