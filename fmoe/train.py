@@ -229,6 +229,19 @@ def all_ranks_agree(flag: bool) -> bool:
     return t.item() == 0
 
 
+def open_dashboards(dashboards: Dashboards):
+    """Before the first step, on every rank: an asked-for --log backend that cannot open on the
+    writing rank stops them all, not only that one."""
+    error = None
+    try:
+        dashboards.open()
+    except ValueError as err:
+        error = err
+    if not all_ranks_agree(error is None):
+        raise error or ValueError("--log: the dashboards could not open on the rank that writes them (its "
+                                  "message says why)")
+
+
 def end_with_parent(sig=signal.SIGTERM):
     """Linux: get `sig` when the parent process dies, so killing a launcher ends its ranks."""
     import ctypes
@@ -364,8 +377,9 @@ class Trainer:
         self.log(f"model: {num_params / 1e6:.2f}M parameters on this rank, {model_cfg.n_layer} layers x "
                  f"{model_cfg.num_expert} experts (top-{model_cfg.top_k}, {model_cfg.gate} gate), device {self.device}"
                  + (f"; {self.world} processes, expert-parallel size {self.groups.ep_size}" if self.groups else ""))
-        self.dashboards = Dashboards(parse_log(cfg.log), self.out, {"model": asdict(model_cfg), "train": asdict(cfg)},
+        self.dashboards = Dashboards(cfg.log, self.out, {"model": asdict(model_cfg), "train": asdict(cfg)},
                                      write=self.rank == 0)
+        open_dashboards(self.dashboards)
 
     def checkpoint_source(self) -> Path:
         """--resume-from, else the newest of checkpoint.pt and checkpoint/latest (whatever process count wrote it)."""

@@ -18,13 +18,13 @@ import torch.distributed as dist
 import transformers
 
 import fmoe.hf
-from fmoe.dashboards import Dashboards, parse_log
+from fmoe.dashboards import Dashboards
 from fmoe.data import BatchSampler, load_corpus
 from fmoe.distributed.ddp import DistributedGroupedDataParallel, clip_grad_norm_
 from fmoe.files import write_json
 from fmoe.load_balancing import register_bias_update_if_needed
 from fmoe.train import (TrainConfig, end_with_parent, init_distributed, launched_by_torchrun, lr_at,
-                        make_optimizer, mean_over_ranks, resolve_device)
+                        make_optimizer, mean_over_ranks, open_dashboards, resolve_device)
 
 BYTES = 256     # the corpus's token ids
 
@@ -89,9 +89,10 @@ def finetune(hf_model: str, cfg: TrainConfig, seq_len: int = 128,
     if launched_by_torchrun():
         end_with_parent()
     groups = init_distributed(cfg) if launched_by_torchrun() else None
-    dashboards = Dashboards(parse_log(cfg.log), Path(cfg.out), {"hf_model": str(hf_model), "train": asdict(cfg)},
+    dashboards = Dashboards(cfg.log, Path(cfg.out), {"hf_model": str(hf_model), "train": asdict(cfg)},
                             write=not groups or dist.get_rank() == 0)
     try:
+        open_dashboards(dashboards)
         return _finetune(hf_model, cfg, seq_len, groups, dashboards, log)
     finally:
         dashboards.close()
