@@ -24,6 +24,7 @@ from fmoe.fastmoe_state import rename_router, stack_experts
 from fmoe.gates import BaseGate, NaiveGate, make_gate
 from fmoe.gates.base import Routing, accepts_keyword, routing_from_fastmoe_gate
 from fmoe.gates.load_state import in_recompute
+from fmoe.last_forward import from_last_forward
 from fmoe.routing import RoutingPlan
 from fmoe.stats import RoutingTally
 
@@ -178,12 +179,13 @@ class FMoE(nn.Module):
                            if self.sync_free and self.exchange == "node" and self.ranks_per_node < self.world_size
                            else None)
         self.gate_hook = gate_hook
-        self.aux_loss = None
         self.last_counts_E = None
         self.last_num_dropped = None
         self.last_num_unrouted = None
         self.layer_index = None        # set by the check with the other ranks, before the first exchange
         self.sequence_first = False    # a 3-D input is [batch, seq, d_model]; Megatron's is [seq, batch, d_model]
+
+    aux_loss = from_last_forward()
 
     def __setattr__(self, name, value):
         if name == "experts" and isinstance(value, nn.Module):

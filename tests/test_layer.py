@@ -211,3 +211,18 @@ def test_double_backward_is_refused_with_a_message(kwargs):
     x = torch.randn(3, 4, dtype=torch.double, requires_grad=True)
     with pytest.raises(RuntimeError, match="double backward .* is not supported by fmoe's fused ops"):
         torch.autograd.gradgradcheck(layer, (x,))
+
+
+@pytest.mark.parametrize("gate", ["naive", "gshard", "noisy", "dc"])
+def test_deepcopy_after_forward_and_backward(gate):
+    """The aux loss and router logits a forward leaves are inside its graph: a copy starts without them."""
+    import copy
+    layer = make_layer(gate, 2, 4)
+    (layer(torch.randn(6, 8, requires_grad=True)).sum() + fmoe.collect_aux_loss(layer)).backward()
+    twin = copy.deepcopy(layer)
+    assert twin.aux_loss is None and twin.gate.last_logits_TE is None and twin.gate.loss is None
+    assert layer.gate.last_logits_TE is not None
+    for (name, p), q in zip(layer.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), name
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(twin.eval()(x), layer.eval()(x))

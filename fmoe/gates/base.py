@@ -16,6 +16,7 @@ from torch import nn
 from fmoe.autocast import autocast_off
 from fmoe.gates.balance_losses import summed_over
 from fmoe.gates.capacity import drop_over_capacity, expert_capacity
+from fmoe.last_forward import from_last_forward
 
 CapacityArg = Optional[Union[float, Tuple[float, float]]]
 
@@ -145,6 +146,8 @@ class BaseGate(nn.Module):
     # Ranks holding parts of the same tokens (Megatron's sequence-parallel tensor ranks): the balance
     # losses and the z-loss count over all their tokens; set by fmoe.megatron.MegatronMLP.
     token_partition = None
+    loss = from_last_forward()              # FastMoE's: the aux loss of the last forward
+    last_logits_TE = from_last_forward()
 
     def __init__(self, *args, **kwargs):
         super().__init__()
@@ -152,8 +155,6 @@ class BaseGate(nn.Module):
             self._init_fastmoe(*args, **kwargs)
         else:
             self._init_fmoe(*args, **kwargs)
-        self.loss = None
-        self.last_logits_TE = None
 
     def _init_fastmoe(self, num_expert: int, world_size: int = 1):
         self.d_model = None
