@@ -92,7 +92,6 @@ def finetune(hf_model: str, cfg: TrainConfig, seq_len: int = 128,
     dashboards = Dashboards(cfg.log, Path(cfg.out), {"hf_model": str(hf_model), "train": asdict(cfg)},
                             write=not groups or dist.get_rank() == 0)
     try:
-        open_dashboards(dashboards)
         return _finetune(hf_model, cfg, seq_len, groups, dashboards, log)
     finally:
         dashboards.close()
@@ -122,6 +121,7 @@ def _finetune(hf_model, cfg, seq_len, groups, dashboards, log) -> FinetuneResult
         + (f"; {world} processes, expert-parallel size {groups.ep_size}" if groups else ""))
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+    open_dashboards(dashboards)         # the model loaded: what is left is training
 
     history = {"hf_model": str(hf_model), "train_config": asdict(cfg), "seq_len": seq_len, "step": [], "loss": [],
                "lr": [], "grad_norm": []}
