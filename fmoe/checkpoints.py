@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -85,6 +86,20 @@ def read_torch(path: Path, what: str = "checkpoint") -> dict:
     if not isinstance(state, dict):
         raise CheckpointError(f"{what} {path} is not an fmoe checkpoint (it holds a {type(state).__name__})")
     return state
+
+
+def check_zip_records(path: Path, what: str):
+    """Each record of a torch zip file against its CRC-32, which torch.load does not check; a file
+    of torch's older non-zip format (or a truncated one, which read_torch names) has none to check."""
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise unreadable(what, path, "zipfile", err) from err
+    if damaged is not None:
+        raise CheckpointError(f"{what} {path} is corrupt: its record {damaged} fails its CRC-32 check")
 
 
 # --- one process: checkpoint.pt ----------------------------------------------------------------

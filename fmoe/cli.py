@@ -17,19 +17,18 @@ def add_train_args(p: argparse.ArgumentParser):
     from fmoe.train import TrainConfig
 
     model, run = GPTConfig(), TrainConfig()
-    g = p.add_argument_group("model")
-    g.add_argument("--d-model", type=int, default=model.d_model, help="model width (default: %(default)s)")
-    g.add_argument("--layers", type=int, default=model.n_layer, help="transformer blocks (default: %(default)s)")
-    g.add_argument("--heads", type=int, default=model.n_head, help="attention heads (default: %(default)s)")
-    g.add_argument("--seq-len", type=int, default=model.seq_len, help="context in bytes (default: %(default)s)")
-    g.add_argument("--num-expert", type=int, default=model.num_expert,
-                   help="experts per MoE layer (default: %(default)s)")
-    g.add_argument("--top-k", type=int, default=None, help="experts per token (default: 1 for switch, else 2)")
-    g.add_argument("--gate", choices=sorted(GATES), default=model.gate, help="router (default: %(default)s)")
-    g.add_argument("--d-hidden", type=int, default=model.d_hidden,
-                   help="hidden width of each expert (default: %(default)s)")
-    g.add_argument("--aux-coef", type=float, default=model.aux_coef,
-                   help="weight of the gates' balance losses (default: %(default)s)")
+    # The model options default to None (not given): a resumed run takes the checkpoint's values for
+    # those, and refuses a given one that differs.
+    g = p.add_argument_group("model (a resumed run: the checkpoint's)")
+    g.add_argument("--d-model", type=int, help=f"model width (default: {model.d_model})")
+    g.add_argument("--layers", type=int, help=f"transformer blocks (default: {model.n_layer})")
+    g.add_argument("--heads", type=int, help=f"attention heads (default: {model.n_head})")
+    g.add_argument("--seq-len", type=int, help=f"context in bytes (default: {model.seq_len})")
+    g.add_argument("--num-expert", type=int, help=f"experts per MoE layer (default: {model.num_expert})")
+    g.add_argument("--top-k", type=int, help="experts per token (default: 1 for switch, else 2)")
+    g.add_argument("--gate", choices=sorted(GATES), help=f"router (default: {model.gate})")
+    g.add_argument("--d-hidden", type=int, help=f"hidden width of each expert (default: {model.d_hidden})")
+    g.add_argument("--aux-coef", type=float, help=f"weight of the gates' balance losses (default: {model.aux_coef})")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=run.steps,
                    help="optimizer steps in all, counting those before --resume (default: %(default)s)")
@@ -128,10 +127,12 @@ def check_train_args(args):
     that fit together, and an --out folder that can be written."""
     import math
 
+    from fmoe.gpt import GPTConfig
+
     for name in ("aux_coef", "lr"):
         value = getattr(args, name)
-        if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
-            raise ValueError(f"--{name.replace('_', '-')} must be a finite number {'>' if name == 'lr' else '>='} 0, "
+        if value is not None and (not math.isfinite(value) or value < 0 or (name == "lr" and value == 0)):
+            raise ValueError(f"{flag(name)} must be a finite number {'>' if name == 'lr' else '>='} 0, "
                              f"got {value!r}")
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -145,12 +146,28 @@ def check_train_args(args):
         raise ValueError(f"--ep-size {args.ep_size} needs several processes: add --nproc {args.ep_size} "
                          "(or a multiple of it)")
     # A resumed run takes its expert count from the checkpoint; an --hf-model run from the model.
-    if args.hf_model is None and not (args.resume or args.resume_from) and args.num_expert % args.ep_size:
-        raise ValueError(f"--num-expert {args.num_expert} (experts per MoE layer in all) must be a multiple of "
+    num_expert = model_options(args).get("num_expert", GPTConfig.num_expert)
+    if args.hf_model is None and not (args.resume or args.resume_from) and num_expert % args.ep_size:
+        raise ValueError(f"--num-expert {num_expert} (experts per MoE layer in all) must be a multiple of "
                          f"--ep-size {args.ep_size}, which spreads them evenly over its ranks")
     from fmoe.files import check_writable_folder
 
     check_writable_folder(args.out, "--out")
+
+
+# The GPT's options: argparse's name -> GPTConfig's.
+MODEL_OPTIONS = {"seq_len": "seq_len", "d_model": "d_model", "layers": "n_layer", "heads": "n_head",
+                 "num_expert": "num_expert", "top_k": "top_k", "gate": "gate", "d_hidden": "d_hidden",
+                 "aux_coef": "aux_coef"}
+
+
+def model_options(args) -> dict:
+    """The GPTConfig fields given on the command line, with their values."""
+    return {field: getattr(args, name) for name, field in MODEL_OPTIONS.items() if getattr(args, name) is not None}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 # The GPT's options, which an --hf-model run (its model from the checkpoint, no checkpoints of its own) refuses.
@@ -165,16 +182,17 @@ def check_hf_args(args, parser_defaults: dict):
     given = [name for name in NOT_HF_OPTIONS if getattr(args, name) != parser_defaults[name]]
     if given:
         raise ValueError(f"--hf-model takes its model from the checkpoint and saves only the exported model: "
-                         f"{', '.join('--' + n.replace('_', '-') for n in given)} do not apply")
+                         f"{', '.join(map(flag, given))} do not apply")
 
 
 def run_hf_train(args):
+    from fmoe.gpt import GPTConfig
     from fmoe.hf.finetune import finetune
     from fmoe.train import TrainConfig, launched_by_torchrun
 
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
                       data=args.data, out=args.out, ep_size=args.ep_size, log=args.log)
-    r = finetune(args.hf_model, cfg, seq_len=args.seq_len)
+    r = finetune(args.hf_model, cfg, seq_len=args.seq_len or GPTConfig.seq_len)
     if not launched_by_torchrun() or int(os.environ.get("RANK", "0")) == 0:
         print(f"done: step {r.step} in {r.seconds:.1f} s\nloss: {r.first_loss:.3f} (first step) -> "
               f"{r.last_loss:.3f} (mean of the last {r.last_window})\nexported: {r.exported} "
@@ -195,13 +213,13 @@ def run_train(args):
         add_train_args(defaults)
         check_hf_args(args, vars(defaults.parse_args([])))
     # Built (and so checked) before the ranks start: a bad value is one line here, not one per rank.
-    model_cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, n_head=args.heads,
-                          num_expert=args.num_expert, top_k=args.top_k, gate=args.gate, d_hidden=args.d_hidden,
-                          aux_coef=args.aux_coef)
+    given = model_options(args)
+    model_cfg = GPTConfig(**given)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
                       data=args.data, out=args.out, resume=args.resume, ep_size=args.ep_size,
                       save_every=args.save_every, keep=args.keep, resume_from=args.resume_from,
-                      compile=args.compile, log=args.log)
+                      compile=args.compile, log=args.log,
+                      model_flags={field: flag(name) for name, field in MODEL_OPTIONS.items() if field in given})
     if args.nproc != 1 and not launched_by_torchrun():
         return relaunch_with_torchrun(args.nproc)
     if args.keep_freed_memory:          # each rank, before the model's first allocation

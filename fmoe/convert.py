@@ -28,7 +28,8 @@ is an error, never a silent drop.
 SRC is checked before anything is written: a `fmoe train` step folder against its manifest's SHA-256
 checksums (the check `--resume` makes), every DCP shard against the sizes its `.metadata` records,
 every safetensors file's header, and a Megatron checkpoint's rank folders by their names (its router
-says how many experts a layer has, so a missing rank folder is named, never a smaller model). DST is
+says how many experts a layer has, so a missing rank folder is named, never a smaller model) and its
+rank files' zip records by their CRC-32s. DST is
 written into a staging folder beside it and renamed into place once whole: an existing non-empty DST
 is refused unless `overwrite` (then it is replaced whole), and any failure leaves DST as it was.
 """
@@ -346,6 +347,7 @@ def read_megatron(path: str) -> MoECheckpoint:
     states = {}
     for name in suffixes:
         where = os.path.join(folder, name, MEGATRON_FILE)
+        checkpoints.check_zip_records(Path(where), "Megatron rank file")
         state = checkpoints.read_torch(Path(where), "Megatron rank file").get("model")
         if not isinstance(state, dict):
             raise CheckpointError(f"Megatron rank file {where} holds no 'model' state dict")
@@ -518,6 +520,15 @@ def convert(src: str, dst: str, to: str, ep_size: int = 1, layout: str = "sequen
     DST is refused unless `overwrite` (which replaces it whole), and on any error DST is unchanged."""
     if to not in FORMATS:
         raise ValueError(f"--to must be one of {FORMATS}, got {to!r}")
+    megatron_only = {"--ep-size": (ep_size, 1), "--pp-size": (pp_size, 1), "--expert-layout": (layout, "sequential")}
+    for name, (value, default) in megatron_only.items():
+        if to != "megatron" and value != default:
+            raise ValueError(f"{name} {value} lays out Megatron checkpoints only (--to megatron), not --to {to}: "
+                             "drop it")
+    if hf_config is not None and not os.path.isdir(hf_config):
+        raise ValueError(f"--hf-config {hf_config}: no such folder")
+    if hf_config is not None and not os.path.isfile(os.path.join(hf_config, HF_CONFIG)):
+        raise ValueError(f"--hf-config {hf_config}: the folder holds no {HF_CONFIG}")
     check_destination(src, dst, overwrite)
     ckpt = read(src)
     if hf_config is not None:

@@ -5,6 +5,7 @@ TensorBoard's event files go to `<out>/tensorboard`, the W&B run to `<out>/wandb
 network under WANDB_MODE=offline; `wandb sync` uploads it later).
 """
 import importlib.util
+import warnings
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -35,25 +36,43 @@ def parse_log(spec: Optional[str]) -> Tuple[str, ...]:
 
 
 class Dashboards:
-    """Scalars by step to the chosen backends, under the run's folder `out`, opened at the first
-    scalar (a run refused before its first step leaves nothing). Every rank of a run makes one (they
-    compute the statistics together); only the one with `write=True` writes."""
+    """Scalars by step to the backends `--log` names (`spec`, see `parse_log`), under the run's folder
+    `out`, opened by `open` before the first step (a run refused before that leaves nothing). Every
+    rank of a run makes one (they compute the statistics together); only the one with `write=True`
+    opens and writes."""
 
-    def __init__(self, backends: Tuple[str, ...], out: Path, run_config: dict, write: bool = True):
-        self.backends = backends
+    def __init__(self, spec: Optional[str], out: Path, run_config: dict, write: bool = True):
+        self.spec, self.backends = spec, parse_log(spec)
         self.out, self.run_config, self.write = out, run_config, write
         self.tensorboard = self.wandb = None
 
     def open(self):
-        if "tensorboard" in self.backends:
-            from torch.utils.tensorboard import SummaryWriter
+        """Opens each backend. One that cannot (a tensorboard whose protobuf does not match, wandb
+        with no API key) stops an asked-for `--log` in one line, every backend closed again; the
+        default `--log` goes without it, with one warning."""
+        if not self.write:
+            return
+        for backend in self.backends:
+            try:
+                getattr(self, f"open_{backend}")()
+            except Exception as err:      # whatever the backend's import or login raises
+                reason = f"{backend} cannot open ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]})"
+                if self.spec is not None:
+                    self.close()
+                    raise ValueError(f"--log {self.spec}: {reason}") from err
+                warnings.warn(f"{reason}: no dashboard for this run (--log none goes without, quietly)",
+                              stacklevel=2)
 
-            self.tensorboard = SummaryWriter(log_dir=str(self.out / "tensorboard"))
-        if "wandb" in self.backends:
-            import wandb
+    def open_tensorboard(self):
+        from torch.utils.tensorboard import SummaryWriter
 
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.wandb = wandb.init(project="fmoe", name=self.out.name, dir=str(self.out), config=self.run_config)
+        self.tensorboard = SummaryWriter(log_dir=str(self.out / "tensorboard"))
+
+    def open_wandb(self):
+        import wandb
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.wandb = wandb.init(project="fmoe", name=self.out.name, dir=str(self.out), config=self.run_config)
 
     def log_step(self, step: int, model: nn.Module, values: Dict[str, float]):
         """`values` as `train/<name>` and every MoE layer's routing statistics over the tokens of all
@@ -63,10 +82,6 @@ class Dashboards:
                       **scalars(routing_stats(model, over="world"))}, step)
 
     def log(self, scalars: Dict[str, float], step: int):
-        if not self.write:
-            return
-        if self.tensorboard is None and self.wandb is None:
-            self.open()
         if self.tensorboard is not None:
             for tag, value in scalars.items():
                 self.tensorboard.add_scalar(tag, value, step)

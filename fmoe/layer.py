@@ -24,6 +24,7 @@ from fmoe.fastmoe_state import rename_router, stack_experts
 from fmoe.gates import BaseGate, NaiveGate, make_gate
 from fmoe.gates.base import Routing, accepts_keyword, routing_from_fastmoe_gate
 from fmoe.gates.load_state import in_recompute
+from fmoe.last_forward import from_last_forward
 from fmoe.routing import RoutingPlan
 from fmoe.stats import RoutingTally
 
@@ -168,7 +169,7 @@ class FMoE(nn.Module):
             raise ValueError("exchange='node' does not run under the smart schedule (schedule=True or "
                              "FMOE_FASTER_SCHEDULE_ENABLE=1), which pipelines one exchange over the ranks: "
                              "pass exchange='rank' or 'slot'")
-        self.ranks_per_node = ranks_per_node_of(self.world_size, ranks_per_node)
+        self.ranks_per_node = ranks_per_node_of(self.world_size, ranks_per_node, whole_nodes=self.exchange == "node")
         self.traffic = None if self.world_size == 1 else Traffic(self.moe_rank, self.ranks_per_node)
         self.sync_free, self.max_tokens_per_rank = check_sync_free(sync_free, max_tokens_per_rank, self.exchange,
                                                                    self.shadow_policy, self.schedule)
@@ -178,12 +179,13 @@ class FMoE(nn.Module):
                            if self.sync_free and self.exchange == "node" and self.ranks_per_node < self.world_size
                            else None)
         self.gate_hook = gate_hook
-        self.aux_loss = None
         self.last_counts_E = None
         self.last_num_dropped = None
         self.last_num_unrouted = None
         self.layer_index = None        # set by the check with the other ranks, before the first exchange
         self.sequence_first = False    # a 3-D input is [batch, seq, d_model]; Megatron's is [seq, batch, d_model]
+
+    aux_loss = from_last_forward()
 
     def __setattr__(self, name, value):
         if name == "experts" and isinstance(value, nn.Module):

@@ -4,9 +4,9 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,9 @@ class TrainConfig:
     keep: int = 2               # checkpoints kept: the newest and keep - 1 before it
     resume_from: Optional[str] = None   # a checkpoint.pt or step folder to resume from instead of the newest
     log: Optional[str] = None   # dashboards: tensorboard, wandb, both or none (None: tensorboard when installed)
+    # The model options the user gave (GPTConfig field -> its flag): a resumed run refuses one that
+    # differs from the checkpoint's; the others take the checkpoint's values.
+    model_flags: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_batches", "ep_size", "keep", "save_every", "sample_bytes"):
@@ -226,6 +229,19 @@ def all_ranks_agree(flag: bool) -> bool:
     return t.item() == 0
 
 
+def open_dashboards(dashboards: Dashboards):
+    """Before the first step, on every rank: an asked-for --log backend that cannot open on the
+    writing rank stops them all, not only that one."""
+    error = None
+    try:
+        dashboards.open()
+    except ValueError as err:
+        error = err
+    if not all_ranks_agree(error is None):
+        raise error or ValueError("--log: the dashboards could not open on the rank that writes them (its "
+                                  "message says why)")
+
+
 def end_with_parent(sig=signal.SIGTERM):
     """Linux: get `sig` when the parent process dies, so killing a launcher ends its ranks."""
     import ctypes
@@ -297,6 +313,17 @@ def plot_history(history: dict, path: Path):
     save_figure(path, fig, dpi=100)
 
 
+def resumed_model_config(saved: dict, asked: GPTConfig, flags: Dict[str, str]) -> GPTConfig:
+    """The checkpoint's model config; an option the user gave (`flags`) must agree with it."""
+    saved = GPTConfig(**saved)
+    for name, option in flags.items():
+        if getattr(asked, name) != getattr(saved, name):
+            raise ValueError(f"--resume: {option} {getattr(asked, name)} differs from the checkpoint's "
+                             f"{getattr(saved, name)!r}: drop {option} to continue the checkpoint's model, "
+                             "or train a new one in another --out")
+    return saved
+
+
 class Trainer:
     """One run: the model, its optimizer and data stream, and the history, set up fresh or from a checkpoint."""
 
@@ -316,7 +343,7 @@ class Trainer:
         self.ckpt_path = self.folder_root if self.groups else self.file_path
         state = self.read_checkpoint() if cfg.resume else None
         if state is not None:
-            model_cfg = GPTConfig(**state["model_config"])
+            model_cfg = resumed_model_config(state["model_config"], model_cfg, cfg.model_flags)
         self.model_cfg = model_cfg
         self.corpus = load_corpus(cfg.data, model_cfg.seq_len)
         self.log(f"corpus: {self.corpus.source}: {self.corpus.num_files} files, {self.corpus.num_bytes / 2**20:.2f} MiB"
@@ -350,8 +377,9 @@ class Trainer:
         self.log(f"model: {num_params / 1e6:.2f}M parameters on this rank, {model_cfg.n_layer} layers x "
                  f"{model_cfg.num_expert} experts (top-{model_cfg.top_k}, {model_cfg.gate} gate), device {self.device}"
                  + (f"; {self.world} processes, expert-parallel size {self.groups.ep_size}" if self.groups else ""))
-        self.dashboards = Dashboards(parse_log(cfg.log), self.out, {"model": asdict(model_cfg), "train": asdict(cfg)},
+        self.dashboards = Dashboards(cfg.log, self.out, {"model": asdict(model_cfg), "train": asdict(cfg)},
                                      write=self.rank == 0)
+        open_dashboards(self.dashboards)
 
     def checkpoint_source(self) -> Path:
         """--resume-from, else the newest of checkpoint.pt and checkpoint/latest (whatever process count wrote it)."""

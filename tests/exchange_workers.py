@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import fmoe
-from tests.dist_workers import expect_disagreement
+from tests.dist_workers import check_layer_matches_single_process, expect_disagreement
 from tests.shadow_workers import FixedShadow, TinyExpert, assert_same_results, build, compare_variants
 
 D, H = 8, 16
@@ -400,3 +400,24 @@ def check_megatron_rank_exchange_equals_slot(rank, world):
         # Adam turns last-bit differences of near-zero gradients into +-lr steps: a mean bound too.
         diff = (p1[n] - p0[n]).abs()
         assert diff.max() <= 1.1e-2 and diff.mean() <= 1e-4, (rank, n, diff.max().item(), diff.mean().item())
+
+
+def check_disagreeing_recompute_raises_on_every_rank(rank, world):
+    expect_disagreement(fmoe.FMoETransformerMLP(num_expert=2, d_model=D, d_hidden=H, top_k=2, world_size=world,
+                                                recompute="none" if rank else "activation"), "recompute")
+
+
+def check_nodes_not_dividing_the_world_bind_only_the_node_exchange(rank, world):
+    """LOCAL_WORLD_SIZE=2 on 3 ranks: the slot and rank exchanges need no nodes and equal one
+    process; the node exchange refuses on every rank."""
+    import os
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    for exchange in ("slot", "rank"):
+        check_layer_matches_single_process(rank, world, exchange)
+    try:
+        fmoe.FMoETransformerMLP(num_expert=2, d_model=D, d_hidden=H, world_size=world, exchange="node")
+    except ValueError as err:
+        assert "LOCAL_WORLD_SIZE must be a positive int dividing the expert-parallel world size 3" in str(err), err
+    else:
+        raise AssertionError("exchange='node' built with LOCAL_WORLD_SIZE=2 on 3 ranks")
+

@@ -19,12 +19,15 @@ D, E = 8, 8
 SPEED = 0.05
 
 
-def balanced_model(bias_update="step", speed=SPEED, balance_group="world"):
+def balanced_model(bias_update="step", speed=SPEED, balance_group="world", gate="router"):
+    """`gate="balanced"`: BalancedGate, the same routing as this RouterGate's."""
     torch.manual_seed(0)
+    gate_kwargs = dict(bias_update_speed=speed, gate_bias=True)
+    if gate == "router":
+        gate_kwargs.update(score="sigmoid", norm_topk_prob=True, selection_bias="updated", bias_update=bias_update,
+                           balance_group=balance_group)
     model = nn.Sequential(nn.Linear(D, D), fmoe.FMoETransformerMLP(
-        num_expert=E, d_model=D, d_hidden=16, top_k=2, gate="router",
-        gate_kwargs=dict(score="sigmoid", norm_topk_prob=True, selection_bias="updated", bias_update=bias_update,
-                         bias_update_speed=speed, balance_group=balance_group, gate_bias=True)))
+        num_expert=E, d_model=D, d_hidden=16, top_k=2, gate=gate, gate_kwargs=gate_kwargs))
     with torch.no_grad():      # a skewed router, so the load is far from even
         model[1].gate.gate.proj.bias.copy_(torch.linspace(1.0, -1.0, E))
     return model
@@ -124,15 +127,25 @@ def test_recompute_routes_as_its_forward_and_gives_the_same_gradients(use_reentr
     assert ckpt[1].gate.step_load_E.sum() == 32 * 2         # counted once, not again in the recompute
 
 
-def test_no_grad_training_forward_and_eval_do_not_move_the_bias():
-    model = balanced_model()
+@pytest.mark.parametrize("gate", ["router", "balanced"])
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_no_grad_training_forward_and_eval_do_not_count_toward_the_step(gate, no_grad):
+    model = balanced_model(gate=gate)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     fmoe.register_bias_update(model, optimizer)
     bias = model[1].gate.e_score_correction_bias
-    with torch.no_grad():
+    with no_grad():
         model.train()(micro_batches(1)[0])
         model.eval()(micro_batches(1)[0])
+    optimizer.step()
     assert bias.abs().sum() == 0
+    xs = micro_batches(2, seed=5)
+    want = expected_bias(bias.clone(), chosen_load(model, xs[:1]))     # the graded forward's load alone
+    model.train()(xs[0]).square().mean().backward()
+    with no_grad():
+        model(xs[1])
+    optimizer.step()
+    torch.testing.assert_close(bias, want, rtol=0, atol=1e-7)
 
 
 def test_forward_mode_moves_at_the_next_forward_from_the_one_before():

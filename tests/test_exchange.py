@@ -123,6 +123,14 @@ def test_disagreeing_exchanges_raise_on_every_rank():
     run_ranks(exchange_workers.check_disagreeing_exchanges_raise_on_every_rank, 2)
 
 
+def test_disagreeing_recompute_modes_raise_on_every_rank():
+    run_ranks(exchange_workers.check_disagreeing_recompute_raises_on_every_rank, 2)
+
+
+def test_only_the_node_exchange_needs_local_world_size_to_divide_the_ranks():
+    run_ranks(exchange_workers.check_nodes_not_dividing_the_world_bind_only_the_node_exchange, 3)
+
+
 def test_megatron_mlp_takes_the_rank_exchange():
     pytest.importorskip("megatron.core")
     run_ranks(exchange_workers.check_megatron_rank_exchange_equals_slot, 2)

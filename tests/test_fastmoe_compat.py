@@ -178,6 +178,14 @@ class DictGate(NaiveGate):
         return super().forward(inp["x"], return_all_scores)
 
 
+@pytest.mark.parametrize("tree", [lambda x: (x, x), lambda x: {"x": x, "y": x}])
+@pytest.mark.parametrize("gate", ["naive", "router", NaiveGate])
+def test_a_tree_input_to_a_built_in_gate_is_refused_by_name(tree, gate):
+    moe = FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=16, gate=gate)
+    with pytest.raises(TypeError, match="input is a (tuple|dict).* a tree input needs a gate that takes the tree"):
+        moe(tree(torch.randn(3, 8)))
+
+
 def test_nested_inputs():
     torch.manual_seed(0)
     moe = FMoE(num_expert=4, d_model=8, gate=DictGate, top_k=2)

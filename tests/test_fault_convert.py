@@ -121,6 +121,42 @@ def test_flipped_bytes_in_a_train_checkpoint_fail_its_checksum(sources, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+def test_a_flipped_byte_in_a_megatron_rank_file_fails_its_zip_crc(sources, tmp_path, capsys):
+    """One flipped byte in an expert weight: torch.load reads it unchecked; the zip record's CRC-32 does not."""
+    src = copy(sources / "mcore", tmp_path / "mcore")
+    rank_file = src / "iter_0000000" / "mp_rank_00_001" / MEGATRON_FILE
+    state = torch.load(rank_file, weights_only=True)["model"]
+    expert = next(t for k, t in state.items() if ".experts.local_experts." in k and k.endswith("linear_fc1.weight"))
+    data = bytearray(rank_file.read_bytes())
+    at = data.find(expert.numpy().tobytes())
+    assert at > 0
+    data[at + 5] ^= 0x01
+    rank_file.write_bytes(bytes(data))
+    err = fails_in_one_line(capsys, src, tmp_path / "out", "--to", "fmoe")
+    assert str(rank_file) in err and "CRC-32" in err and "/data/" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+# --- bad arguments ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("to", ["fmoe", "hf"])
+@pytest.mark.parametrize("option", [["--pp-size", "2"], ["--ep-size", "2"], ["--expert-layout", "grouped"]])
+def test_megatron_options_are_refused_for_other_layouts(sources, tmp_path, capsys, to, option):
+    err = fails_in_one_line(capsys, sources / "fmoe", tmp_path / "out", "--to", to, *option)
+    assert f"{' '.join(option)} lays out Megatron checkpoints" in err and f"--to {to}" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_hf_config_folder_is_named(sources, tmp_path, capsys):
+    err = fails_in_one_line(capsys, sources / "fmoe", tmp_path / "out", "--to", "hf", "--hf-config",
+                            tmp_path / "nonexistent")
+    assert f"--hf-config {tmp_path / 'nonexistent'}: no such folder" in err, err
+    (tmp_path / "empty").mkdir()
+    err = fails_in_one_line(capsys, sources / "fmoe", tmp_path / "out", "--to", "hf", "--hf-config", tmp_path / "empty")
+    assert f"--hf-config {tmp_path / 'empty'}: the folder holds no config.json" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 # --- an existing DST ------------------------------------------------------------------------------
 
 def test_an_existing_dst_is_refused_unless_overwrite_which_replaces_it_whole(sources, tmp_path, capsys):

@@ -4,6 +4,7 @@ FMOE_FAULT test hook at a chosen phase, so every case is deterministic."""
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,6 +189,24 @@ def test_corrupt_checkpoint_on_resume_is_one_line_and_resume_from_previous_works
     assert f"{out / 'checkpoint.pt'} is corrupt" in err and "--resume-from" in err
     assert train(corpus, out, 4, "--resume-from", str(out / "checkpoint.prev.pt")) == 0
     assert json.loads((out / "history.json").read_text())["step"] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("option, value, saved", [("--d-model", "32", "16"), ("--seq-len", "32", "16"),
+                                                   ("--gate", "noisy", "'gshard'"), ("--top-k", "1", "2")])
+def test_resume_refuses_a_model_option_that_differs_from_the_checkpoint(run_with_previous, tmp_path, corpus, capsys,
+                                                                       option, value, saved):
+    out = tmp_path / "run"
+    shutil.copytree(run_with_previous, out)
+    with pytest.raises(SystemExit) as exit_info:
+        train(corpus, out, 4, "--resume", option, value)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{option} {value}" in err and f"checkpoint's {saved}" in err, err
+    assert json.loads((out / "history.json").read_text())["step"] == [1, 2, 3]
+    # Options not given keep the checkpoint's values (not the defaults): the 16-wide model trains on.
+    assert main(["train", "--steps", "4", "--data", str(corpus), "--out", str(out), "--no-progress", "--resume",
+                 "--batch-size", "2"]) == 0
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["model_config"]["d_model"] == 16
 
 
 # --- signals at every phase of a step --------------------------------------------------------------

@@ -189,6 +189,59 @@ def test_experts_implementation_fmoe_matches_eager(family):
             torch.testing.assert_close(q.grad, p.grad, **TOL, msg=lambda m: f"{n}: {m}")
 
 
+def test_experts_implementation_fmoe_reads_layouts_of_releases_without_the_flags():
+    """transformers before 5.20 sets no `has_gate` / `has_post_expert_norm` on the experts: the
+    tensors present stand in for them."""
+    model = tiny("mixtral")
+    fast = copy.deepcopy(model)
+    fast.set_experts_implementation("fmoe")
+    for experts in fast.modules():
+        for flag in ("has_gate", "has_post_expert_norm"):
+            if flag in vars(experts):
+                delattr(experts, flag)
+    ids = tokens()
+    torch.testing.assert_close(run(fast, ids).logits, run(model, ids).logits, **TOL)
+
+    class UngatedExperts(nn.Module):        # up_proj [E, F, D], down_proj [E, D, F], no flags at all
+        num_experts = 3
+
+        def __init__(self):
+            super().__init__()
+            self.up_proj = nn.Parameter(torch.randn(3, 6, 4))
+            self.down_proj = nn.Parameter(torch.randn(3, 4, 6))
+            self.act_fn = nn.GELU()
+    experts = UngatedExperts()
+    x = torch.randn(5, 4)
+    idx = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
+    w = torch.rand(5, 2)
+    want = torch.stack([sum(w[t, k] * experts.down_proj[e] @ experts.act_fn(experts.up_proj[e] @ x[t])
+                            for k, e in enumerate(idx[t].tolist())) for t in range(5)])
+    torch.testing.assert_close(fmoe.hf.experts_impl.fmoe_experts_forward(experts, x, idx, w), want, **TOL)
+
+
+def test_register_experts_implementation_is_false_where_transformers_refuses_the_name(monkeypatch):
+    from transformers.integrations.moe import ExpertsInterface
+    monkeypatch.setattr(ExpertsInterface, "_global_mapping", dict(ExpertsInterface._global_mapping))
+    del ExpertsInterface._global_mapping["fmoe"]
+
+    def as_in_5_0(self, requested):     # transformers 5.0 took only its own names
+        if requested not in ("eager", "grouped_mm", "batched_mm"):
+            raise ValueError(f'Specified `experts_implementation="{requested}"` is not supported.')
+        return requested
+    monkeypatch.setattr(transformers.PreTrainedModel, "get_correct_experts_implementation", as_in_5_0)
+    assert fmoe.hf.register_experts_implementation() is False
+    assert "fmoe" not in ExpertsInterface._global_mapping
+    monkeypatch.undo()
+    assert fmoe.hf.register_experts_implementation() is True
+
+
+def test_dbrx_says_it_cannot_take_the_fmoe_experts_implementation():
+    model = tiny("dbrx")
+    with pytest.warns(UserWarning, match="DBRX's experts .* cannot use experts_implementation='fmoe'"):
+        model.set_experts_implementation("fmoe")
+    assert model.config._experts_implementation == "eager"
+
+
 def test_router_options_pass_through():
     model = fmoe.hf.convert(tiny("deepseek_v3"), selection_bias="updated")
     (_, block), = fmoe.hf.converted_blocks(model)

@@ -199,3 +199,30 @@ def test_bf16_combine_weights_are_rounded_to_the_input_dtype_unless_fp32_combine
     assert torch.equal(layer(x), fmoe.kernels.unpermute(y_ND, plan, routing.weight_TK))
     with pytest.raises(ValueError, match="fp32_combine must be a bool"):
         fmoe.FMoE(num_expert=2, d_model=8, d_hidden=8, fp32_combine=1)
+
+
+@pytest.mark.parametrize("kwargs", [dict(recompute="activation"), dict(recompute="experts"),
+                                    dict(recompute="none"), dict(expert=TinyExpert)])
+def test_double_backward_is_refused_with_a_message(kwargs):
+    torch.manual_seed(0)
+    layer_kwargs = dict(num_expert=2, d_model=4, top_k=2, **kwargs)
+    layer = (fmoe.FMoE(**layer_kwargs) if "expert" in kwargs else
+             fmoe.FMoETransformerMLP(d_hidden=6, **layer_kwargs)).double()
+    x = torch.randn(3, 4, dtype=torch.double, requires_grad=True)
+    with pytest.raises(RuntimeError, match="double backward .* is not supported by fmoe's fused ops"):
+        torch.autograd.gradgradcheck(layer, (x,))
+
+
+@pytest.mark.parametrize("gate", ["naive", "gshard", "noisy", "dc"])
+def test_deepcopy_after_forward_and_backward(gate):
+    """The aux loss and router logits a forward leaves are inside its graph: a copy starts without them."""
+    import copy
+    layer = make_layer(gate, 2, 4)
+    (layer(torch.randn(6, 8, requires_grad=True)).sum() + fmoe.collect_aux_loss(layer)).backward()
+    twin = copy.deepcopy(layer)
+    assert twin.aux_loss is None and twin.gate.last_logits_TE is None and twin.gate.loss is None
+    assert layer.gate.last_logits_TE is not None
+    for (name, p), q in zip(layer.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), name
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(twin.eval()(x), layer.eval()(x))

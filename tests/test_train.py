@@ -1,13 +1,16 @@
 """`fmoe train` end to end on a tiny model and corpus, the GPT, the corpus, and `fmoe info`."""
+import importlib.machinery
 import json
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import fmoe.dashboards
 import fmoe.train
 from fmoe.cli import main
 from fmoe.data import BatchSampler, load_corpus
@@ -173,6 +176,52 @@ def test_log_none_writes_no_dashboard_and_bad_log_fails(corpus_file, tmp_path, c
     with pytest.raises(SystemExit):
         run_train(corpus_file, tmp_path / "bad", 1, "--log", "tensorbord")
     assert "--log must be tensorboard, wandb, both comma-separated, or none, got 'tensorbord'" in capsys.readouterr().err
+
+
+def broken_module(name: str, error: Exception, attribute: str) -> types.ModuleType:
+    """A module that imports but raises `error` where `attribute` is read, as a tensorboard whose protobuf
+    is the wrong version, or wandb with no API key, does."""
+    def fail(*args, **kwargs):
+        raise error
+
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.__getattr__ = lambda key: fail() if key == attribute else None
+    return module
+
+
+TENSORBOARD_BROKEN = TypeError("Descriptors cannot be created directly.")
+NO_WANDB_KEY = RuntimeError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
+
+
+def test_a_tensorboard_that_cannot_open_is_one_warning_by_default(corpus_file, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard",
+                        broken_module("torch.utils.tensorboard", TENSORBOARD_BROKEN, "SummaryWriter"))
+    monkeypatch.setattr(fmoe.dashboards, "installed", lambda backend: True)
+    with pytest.warns(UserWarning, match="tensorboard cannot open .*TypeError: Descriptors") as caught:
+        assert run_train(corpus_file, tmp_path / "run", 2, "--log", "none") == 0 and not caught   # asks for none
+        assert run_train(corpus_file, tmp_path / "run", 2) == 0
+    assert len([w for w in caught if "cannot open" in str(w.message)]) == 1
+    assert json.loads((tmp_path / "run" / "history.json").read_text())["step"] == [1, 2]
+
+
+@pytest.mark.parametrize("log, module, attribute, error", [
+    ("tensorboard", "torch.utils.tensorboard", "SummaryWriter", TENSORBOARD_BROKEN),
+    ("wandb", "wandb", "init", NO_WANDB_KEY),
+    ("tensorboard,wandb", "wandb", "init", NO_WANDB_KEY),
+])
+def test_an_asked_for_dashboard_that_cannot_open_stops_before_training(corpus_file, tmp_path, monkeypatch, capsys,
+                                                                      log, module, attribute, error):
+    monkeypatch.setitem(sys.modules, module, broken_module(module, error, attribute))
+    monkeypatch.setattr(fmoe.dashboards, "installed", lambda backend: True)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run_train(corpus_file, out, 2, "--log", log)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    backend = module.split(".")[-1]
+    assert err.startswith(f"fmoe train: error: --log {log}: {backend} cannot open ({type(error).__name__}: "), err
+    assert not (out / "history.json").exists() and not (out / "checkpoint.pt").exists()
 
 
 def test_wandb_offline_run_holds_the_routing_statistics(corpus_file, tmp_path, monkeypatch):

@@ -78,6 +78,7 @@ def layer_settings(layer, x: torch.Tensor, index: int) -> dict:
         "schedule": layer.schedule,
         "schedule_group_size": layer.schedule_group_size if layer.schedule else None,
         "exchange": layer.exchange,
+        "recompute": layer.recompute,
         "ranks_per_node": layer.ranks_per_node,
         "max_tokens_per_rank (sync_free)": layer.max_tokens_per_rank if layer.sync_free else None,
         **gate_settings(layer.gate),

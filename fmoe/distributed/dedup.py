@@ -160,7 +160,7 @@ def build_dedup_plan(expert_idx_TK: torch.Tensor, num_expert: int, exchange: str
     node, when given, so its padding stays inside the node)."""
     check_exchange(exchange)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    ranks_per_node = ranks_per_node_of(world, ranks_per_node)
+    ranks_per_node = ranks_per_node_of(world, ranks_per_node, whole_nodes=exchange == "node")
     owner_E = torch.arange(num_expert * world, device=expert_idx_TK.device) // num_expert
     if exchange == "rank":
         hop = inner = (build_hop(expert_idx_TK, owner_E, group, traffic) if bound is None else

@@ -21,8 +21,10 @@ PASSES = ("forward", "backward")
 LOCALITIES = ("intra_node", "inter_node")
 
 
-def ranks_per_node_of(world_size: int, ranks_per_node=None) -> int:
-    """Ranks on one node: the argument, else LOCAL_WORLD_SIZE (torchrun sets it), else all of them."""
+def ranks_per_node_of(world_size: int, ranks_per_node=None, whole_nodes: bool = True) -> int:
+    """Ranks on one node: the argument, else LOCAL_WORLD_SIZE (torchrun sets it), else all of them.
+    `whole_nodes`: it must divide the world (the node exchange and node-limited routing lay work on
+    whole nodes); without it, it only tells traffic within a node from traffic across."""
     name = "ranks_per_node"
     if ranks_per_node is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
@@ -30,7 +32,7 @@ def ranks_per_node_of(world_size: int, ranks_per_node=None) -> int:
             return world_size
         name, ranks_per_node = "LOCAL_WORLD_SIZE", int(env) if env.strip().isdigit() else env
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 \
-            or world_size % min(ranks_per_node, world_size):
+            or whole_nodes and world_size % min(ranks_per_node, world_size):
         raise ValueError(f"{name} must be a positive int dividing the expert-parallel world size {world_size}, "
                          f"got {ranks_per_node!r}")
     return min(ranks_per_node, world_size)

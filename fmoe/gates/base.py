@@ -16,6 +16,7 @@ from torch import nn
 from fmoe.autocast import autocast_off
 from fmoe.gates.balance_losses import summed_over
 from fmoe.gates.capacity import drop_over_capacity, expert_capacity
+from fmoe.last_forward import from_last_forward
 
 CapacityArg = Optional[Union[float, Tuple[float, float]]]
 
@@ -145,6 +146,8 @@ class BaseGate(nn.Module):
     # Ranks holding parts of the same tokens (Megatron's sequence-parallel tensor ranks): the balance
     # losses and the z-loss count over all their tokens; set by fmoe.megatron.MegatronMLP.
     token_partition = None
+    loss = from_last_forward()              # FastMoE's: the aux loss of the last forward
+    last_logits_TE = from_last_forward()
 
     def __init__(self, *args, **kwargs):
         super().__init__()
@@ -152,8 +155,6 @@ class BaseGate(nn.Module):
             self._init_fastmoe(*args, **kwargs)
         else:
             self._init_fmoe(*args, **kwargs)
-        self.loss = None
-        self.last_logits_TE = None
 
     def _init_fastmoe(self, num_expert: int, world_size: int = 1):
         self.d_model = None
@@ -203,6 +204,10 @@ class BaseGate(nn.Module):
         forward_cls, route_cls = self._defined_in("forward"), self._defined_in("route")
         if forward_cls is not BaseGate and forward_cls is not route_cls and issubclass(forward_cls, route_cls):
             return self._routing_from_forward(x_TD)
+        if not isinstance(x_TD, torch.Tensor):
+            raise TypeError(f"{type(self).__name__} routes one tensor of rows [T, d_model], but the input is a "
+                            f"{type(x_TD).__name__} of tensors: a tree input needs a gate that takes the tree "
+                            "(a FastMoE-style gate whose forward(inp) reads it)")
         return self.routing_by_route(x_TD)
 
     def routing_by_route(self, x_TD: torch.Tensor) -> Routing:

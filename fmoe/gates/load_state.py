@@ -5,6 +5,8 @@ A gate's replicas are the ranks that run copies of it on different tokens: with 
 parallelism, every rank of the world ("world", the default). "local" sums nothing (each rank
 its own model); a ProcessGroup names them exactly (Megatron: its data x tensor x context group).
 """
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -20,6 +22,24 @@ def in_recompute() -> bool:
     if torch.compiler.is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1
+
+
+def trains() -> bool:
+    """Whether a training-mode forward trains: its backward can run (grad enabled, or the first
+    forward of reentrant checkpointing, which runs under no_grad inside an autograd Function and is
+    replayed for the backward) and it is no recompute. A no_grad or inference_mode forward is not."""
+    if in_recompute():
+        return False
+    if torch.is_grad_enabled():
+        return True
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:        # torch's, Megatron's and DeepSpeed's reentrant checkpoints alike
+        if isinstance(frame.f_locals.get("ctx"), torch.autograd.function.FunctionCtx):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def check_balance_group(group):

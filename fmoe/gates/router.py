@@ -18,7 +18,7 @@ import torch
 from fmoe.gates.balance_losses import (AUX_LOSSES, chosen_counts, global_loss, normalised_scores, sequence_loss,
                                        switch_loss)
 from fmoe.gates.base import BaseGate, LinearRouter, check_bool, check_choice, check_float, check_int
-from fmoe.gates.load_state import BIAS_UPDATES, check_balance_group, in_recompute, reduce_over_replicas
+from fmoe.gates.load_state import BIAS_UPDATES, check_balance_group, in_recompute, reduce_over_replicas, trains
 
 SELECTION_BIAS = (None, "frozen", "updated")
 GROUP_SCORE = ("top2_sum", "max")
@@ -173,7 +173,7 @@ class RouterGate(BaseGate):
 
     def route(self, x_TD):
         logits_TE = self.router_logits(x_TD)
-        counting = self.training and self.selection_bias == "updated" and not in_recompute()
+        counting = self.training and self.selection_bias == "updated" and trains()
         if counting and self.bias_update == "forward":
             end_step_of([self], self.balance_group, self.label, bias_only=True)
         if self.sparsemixer:

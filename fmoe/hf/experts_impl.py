@@ -7,6 +7,8 @@ permute, two grouped GEMMs, unpermute), reading transformers' own expert tensors
 routes with the model's own router and keeps every expert on every process; for fmoe's expert
 parallelism and routing options, `fmoe.hf.convert` the model instead.
 """
+import warnings
+
 import torch
 
 from fmoe import kernels
@@ -18,26 +20,51 @@ NAME = "fmoe"
 def fmoe_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' experts forward contract: tokens [T, D], chosen experts and weights [T, K] -> [T, D]."""
     E = self.num_experts
+    # Releases before 5.20 set only has_bias and is_transposed (5.0) on the experts: the tensors tell the rest.
+    has_gate = getattr(self, "has_gate", hasattr(self, "gate_up_proj"))
+    has_bias = getattr(self, "has_bias", False)
+    is_transposed = getattr(self, "is_transposed", False)
     # transformers' own expert parallelism marks slots of other ranks' experts with ids >= E: no row.
     expert_idx_TK = torch.where(top_k_index < E, top_k_index, torch.full_like(top_k_index, -1))
     plan = RoutingPlan.build(expert_idx_TK, E)
     x_ND = kernels.permute(hidden_states, plan)
-    up = self.gate_up_proj if self.has_gate else self.up_proj
-    up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
-    h_NF = kernels.grouped_mm(x_ND, up if self.is_transposed else up.transpose(1, 2), plan.counts_E, up_bias)
-    h_NF = self._apply_gate(h_NF) if self.has_gate else self.act_fn(h_NF)
-    down = self.down_proj if self.is_transposed else self.down_proj.transpose(1, 2)
-    y_ND = kernels.grouped_mm(h_NF, down, plan.counts_E, self.down_proj_bias if self.has_bias else None)
-    if self.has_post_expert_norm:
+    up = self.gate_up_proj if has_gate else self.up_proj
+    up_bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
+    h_NF = kernels.grouped_mm(x_ND, up if is_transposed else up.transpose(1, 2), plan.counts_E, up_bias)
+    h_NF = self._apply_gate(h_NF) if has_gate else self.act_fn(h_NF)
+    down = self.down_proj if is_transposed else self.down_proj.transpose(1, 2)
+    y_ND = kernels.grouped_mm(h_NF, down, plan.counts_E, self.down_proj_bias if has_bias else None)
+    if getattr(self, "has_post_expert_norm", False):
         y_ND = self.post_expert_norm(y_ND)
     return kernels.unpermute(y_ND, plan, top_k_weights.to(y_ND.dtype)).to(hidden_states.dtype)
 
 
-def register_experts_implementation():
-    """Register "fmoe" with transformers' ExpertsInterface (idempotent); False where it has none."""
+def dbrx_experts_implementation(self, requested_experts):
+    """DBRX's experts loop by themselves, never through the ExpertsInterface: asked for "fmoe",
+    they say so and run eager instead of ignoring it silently."""
+    from transformers import PreTrainedModel
+    if requested_experts == NAME:
+        warnings.warn("DBRX's experts (transformers' DbrxExperts) do not dispatch through transformers' experts "
+                      "implementations, so they cannot use experts_implementation='fmoe' and run eager: "
+                      "fmoe.hf.convert(model) runs them on fmoe's kernels", stacklevel=3)
+        requested_experts = "eager"
+    return PreTrainedModel.get_correct_experts_implementation(self, requested_experts)
+
+
+def register_experts_implementation() -> bool:
+    """Register "fmoe" with transformers' ExpertsInterface (idempotent); False, registering nothing,
+    where transformers has none or refuses names of its users (5.0 takes only its own)."""
     try:
+        from transformers import PreTrainedModel
         from transformers.integrations.moe import ExpertsInterface
+        from transformers.models.dbrx.modeling_dbrx import DbrxPreTrainedModel
     except ImportError:
         return False
     ExpertsInterface.register(NAME, fmoe_experts_forward)
+    try:        # it reads the model only to check "grouped_mm"
+        PreTrainedModel.get_correct_experts_implementation(None, NAME)
+    except ValueError:
+        del ExpertsInterface._global_mapping[NAME]
+        return False
+    DbrxPreTrainedModel.get_correct_experts_implementation = dbrx_experts_implementation
     return True

@@ -18,13 +18,13 @@ import torch.distributed as dist
 import transformers
 
 import fmoe.hf
-from fmoe.dashboards import Dashboards, parse_log
+from fmoe.dashboards import Dashboards
 from fmoe.data import BatchSampler, load_corpus
 from fmoe.distributed.ddp import DistributedGroupedDataParallel, clip_grad_norm_
 from fmoe.files import write_json
 from fmoe.load_balancing import register_bias_update_if_needed
 from fmoe.train import (TrainConfig, end_with_parent, init_distributed, launched_by_torchrun, lr_at,
-                        make_optimizer, mean_over_ranks, resolve_device)
+                        make_optimizer, mean_over_ranks, open_dashboards, resolve_device)
 
 BYTES = 256     # the corpus's token ids
 
@@ -89,7 +89,7 @@ def finetune(hf_model: str, cfg: TrainConfig, seq_len: int = 128,
     if launched_by_torchrun():
         end_with_parent()
     groups = init_distributed(cfg) if launched_by_torchrun() else None
-    dashboards = Dashboards(parse_log(cfg.log), Path(cfg.out), {"hf_model": str(hf_model), "train": asdict(cfg)},
+    dashboards = Dashboards(cfg.log, Path(cfg.out), {"hf_model": str(hf_model), "train": asdict(cfg)},
                             write=not groups or dist.get_rank() == 0)
     try:
         return _finetune(hf_model, cfg, seq_len, groups, dashboards, log)
@@ -121,6 +121,7 @@ def _finetune(hf_model, cfg, seq_len, groups, dashboards, log) -> FinetuneResult
         + (f"; {world} processes, expert-parallel size {groups.ep_size}" if groups else ""))
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+    open_dashboards(dashboards)         # the model loaded: what is left is training
 
     history = {"hf_model": str(hf_model), "train_config": asdict(cfg), "seq_len": seq_len, "step": [], "loss": [],
                "lr": [], "grad_norm": []}

@@ -384,3 +384,18 @@ def _(dy_TD, x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK, activat
     db2 = dy_TD.new_empty(0) if b2_eD is None else torch.empty_like(b2_eD)
     return (torch.empty_like(x_TD), torch.empty_like(weight_TK, memory_format=torch.contiguous_format),
             torch.empty_like(w1_eDF), torch.empty_like(w2_eFD), db1, db2)
+
+
+# The ops above that run only inside a backward: differentiating them is a double backward.
+
+def _refuse_double_backward(qualname: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{qualname}: double backward (a gradient of a gradient: create_graph=True and then a "
+                           "backward through it, gradgradcheck, a gradient penalty) is not supported by fmoe's "
+                           "fused ops")
+    return backward
+
+
+for _op in (gather_sum, unpermute_backward, grouped_mm_weight_grad, expert_row_sums, expert_mlp_backward,
+            weighted_mlp_backward, routed_mlp_backward):
+    _op.register_autograd(_refuse_double_backward(_op._qualname))
