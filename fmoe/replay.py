@@ -147,7 +147,7 @@ def taped(gates: Dict[str, BaseGate], mode: str, entries: Dict[str, List[torch.T
         yield
     finally:
         for gate in gates.values():
-            gate.routing_mode = None
+            gate.routing_mode = gate.replayed_TK = None      # also after a route() that raised
             del TAPES[gate.routing_key]
 
 
