@@ -93,6 +93,23 @@ class RoutingTrace:
                 for i in range(n)]
 
 
+    def joined(self, batch_size: int) -> "RoutingTrace":
+        """Generation's forwards (the prompts, then each step's new tokens, `batch_size` sequences each)
+        as one forward over the whole sequences: what a training forward on `generate`'s output without
+        its last token (which no forward saw) routes."""
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"joined: batch_size must be a positive int, got {batch_size!r}")
+        layers = {}
+        for name, entries in self.layers.items():
+            odd = [entry.shape[0] for entry in entries if entry.shape[0] % batch_size]
+            if odd:
+                raise ValueError(f"joined: layer {name!r} has forwards of {odd} tokens, not whole steps of "
+                                 f"batch_size={batch_size} sequences")
+            steps = [entry.view(batch_size, -1, entry.shape[-1]) for entry in entries]
+            layers[name] = [torch.cat(steps, dim=1).flatten(0, 1)] if steps else []
+        return RoutingTrace(layers)
+
+
 def check_header(header: dict, path) -> None:
     if header.get("format") != FORMAT:
         raise ValueError(f"{path} is not an fmoe routing trace (no '{FORMAT}' header)")

@@ -434,6 +434,28 @@ def test_hf_trace_from_router_logits_equals_the_recorded_one_and_replays(family)
         assert torch.equal(got, want)
 
 
+def test_generate_steps_joined_replay_in_one_forward_over_the_sequences():
+    import fmoe.hf
+    from tests.hf_models import tiny, tokens
+
+    model = fmoe.hf.convert(tiny("qwen3_moe"))
+    ids = tokens(batch=2, length=5)
+    with fmoe.record_routing(model) as trace, torch.no_grad():
+        sequences = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                                   pad_token_id=0)
+    assert [entry.shape[0] for entry in trace[trace.names[0]]] == [10, 2, 2]
+    whole = trace.joined(2)
+    first = trace[trace.names[0]]
+    assert torch.equal(whole[trace.names[0]][0].view(2, 7, 2),
+                       torch.cat([first[0].view(2, 5, 2), first[1].view(2, 1, 2), first[2].view(2, 1, 2)], 1))
+    layers = [m for m in model.modules() if isinstance(m, fmoe.FMoE)]
+    with fmoe.replay_routing(model.train(), whole), Choices(*layers) as seen:
+        model(sequences[:, :-1], labels=sequences[:, :-1]).loss.backward()
+    assert all(torch.equal(got, whole[name][0]) for got, name in zip(seen, whole.names))
+    with pytest.raises(ValueError, match="not whole steps of batch_size=3"):
+        trace.joined(3)
+
+
 def test_example_prints_disagreement_without_replay_and_none_with_it(capsys):
     runpy.run_path(os.path.join(ROOT, "examples", "router_replay.py"), run_name="__main__")
     out = capsys.readouterr().out
