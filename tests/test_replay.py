@@ -286,6 +286,22 @@ def test_replayed_layer_passes_gradcheck():
         assert torch.autograd.gradcheck(run, (x, weight))
 
 
+def test_balance_losses_and_load_count_the_replayed_choice():
+    from fmoe.gates.balance_losses import switch_loss
+
+    layer = make_layer("router", 2, {"aux_loss": "switch", "aux_loss_coef": 1.0})
+    x = inputs(n=6)
+    with torch.no_grad():
+        logits_TE = layer.gate.gate(x)
+    worst_TK = torch.topk(-logits_TE, 2).indices         # the experts the router likes least
+    with fmoe.replay_routing(layer, fmoe.RoutingTrace({"": [worst_TK]})):
+        out = layer(x)
+    torch.testing.assert_close(layer.aux_loss, switch_loss(logits_TE, 2, chosen_TK=worst_TK))
+    assert not torch.allclose(layer.aux_loss, switch_loss(logits_TE, 2))
+    assert torch.equal(layer.routing_stats["tokens_per_expert"], count(worst_TK))
+    assert out.shape == x.shape
+
+
 # --- gradient accumulation, several ranks, save / load ------------------------------------------------
 
 def test_split_trace_replays_micro_batches_as_the_whole_batch():

@@ -4,7 +4,7 @@
     scores = softmax(logits) | sigmoid(logits)
     choice = scores (+ e_score_correction_bias)            the bias steers the choice only
              limited to the best `topk_group` of `n_group` expert groups
-    idx    = top-k(choice)
+    idx    = top-k(choice)                                 under fmoe.replay_routing: the recorded experts
     weight = scores[idx]  (renormalised if norm_topk_prob) * routed_scaling_factor
 
 `softmax_after_topk` instead takes the top-k of the logits and weighs by a softmax over those
