@@ -21,9 +21,10 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q tests
 
-# Every gate and preset x train / eval x capacity x grad, compiled with Inductor against eager.
+# Every gate and preset x train / eval x capacity x grad, compiled with Inductor against eager; router
+# replay compiled for every gate and preset, and at 4 ranks.
 test-modes: setup
-	FMOE_TEST_ALL_MODES=1 $(BIN)/python -m pytest -q tests/test_modes.py
+	FMOE_TEST_ALL_MODES=1 $(BIN)/python -m pytest -q tests/test_modes.py tests/test_replay.py
 
 # fmoe in Megatron-Core at 4 and 8 gloo ranks (pipeline, virtual pipeline, tensor + sequence, expert
 # parallel) against one process and Megatron's own MoE, with checkpoint resharding; `make test` runs the 2-rank subset.

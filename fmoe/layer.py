@@ -183,6 +183,7 @@ class FMoE(nn.Module):
         self.last_num_dropped = None
         self.last_num_unrouted = None
         self.layer_index = None        # set by the check with the other ranks, before the first exchange
+        self.routing_name = None       # the layer's name in a routing trace, when not its qualified name (fmoe.replay)
         self.sequence_first = False    # a 3-D input is [batch, seq, d_model]; Megatron's is [seq, batch, d_model]
 
     aux_loss = from_last_forward()

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fmoe.gates.capacity import count_per_expert
+from fmoe.gates.capacity import count_live_per_expert
 
 AUX_LOSSES = ("switch", "sequence", "global")
 
@@ -45,24 +45,29 @@ def summed_over(partition: Optional[dist.ProcessGroup], counts: torch.Tensor, nu
     return both[:-1].view(counts.shape).to(counts.dtype), int(both[-1].item())
 
 
-def switch_loss(logits_TE: torch.Tensor, top_k: int, partition: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def switch_loss(logits_TE: torch.Tensor, top_k: int, partition: Optional[dist.ProcessGroup] = None,
+                chosen_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`chosen_TK`: the experts to count (-1: none) instead of the top-k of the softmax (router replay)."""
     T, E = logits_TE.shape
     probs_TE = torch.softmax(logits_TE, dim=-1)
-    tokens_E = count_per_expert(torch.topk(probs_TE, top_k, dim=-1).indices, E).to(probs_TE.dtype)
+    chosen_TK = torch.topk(probs_TE, top_k, dim=-1).indices if chosen_TK is None else chosen_TK
+    tokens_E = count_live_per_expert(chosen_TK, E).to(probs_TE.dtype)
     tokens_E, T = summed_over(partition, tokens_E, T)
     if T == 0:
         return logits_TE.sum() * 0.0
     return E * torch.sum(tokens_E / T * probs_TE.sum(0) / T)
 
 
-def sequence_loss(scores_SBE: torch.Tensor, top_k: int, partition: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def sequence_loss(scores_SBE: torch.Tensor, top_k: int, partition: Optional[dist.ProcessGroup] = None,
+                  chosen_SBK: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`scores_SBE`: normalised scores of B sequences of S tokens, laid [S, B, E] (with a `partition`,
-    each rank's S tokens of the same B sequences)."""
+    each rank's S tokens of the same B sequences); `chosen_SBK` the experts to count (-1: none) instead
+    of the top-k of the scores."""
     S, B, E = scores_SBE.shape
-    chosen_SBK = torch.topk(scores_SBE.detach(), top_k, dim=-1).indices
+    chosen_SBK = torch.topk(scores_SBE.detach(), top_k, dim=-1).indices if chosen_SBK is None else chosen_SBK
+    chosen_BN = chosen_SBK.permute(1, 0, 2).reshape(B, S * top_k)
     tokens_BE = torch.zeros(B, E, dtype=scores_SBE.dtype, device=scores_SBE.device).scatter_add_(
-        1, chosen_SBK.permute(1, 0, 2).reshape(B, S * top_k), torch.ones((B, S * top_k), dtype=scores_SBE.dtype,
-                                                                       device=scores_SBE.device))
+        1, chosen_BN.clamp_min(0), (chosen_BN >= 0).to(scores_SBE.dtype))
     tokens_BE, S = summed_over(partition, tokens_BE, S)
     if S * B == 0:
         return scores_SBE.sum() * 0.0
@@ -71,9 +76,11 @@ def sequence_loss(scores_SBE: torch.Tensor, top_k: int, partition: Optional[dist
     return (f_BE * P_BE).sum(-1).mean()
 
 
-def chosen_counts(scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Top-k slots of the normalised scores on each expert (what the global loss counts)."""
-    return count_per_expert(torch.topk(scores_TE.detach(), top_k, dim=-1).indices, scores_TE.shape[-1])
+def chosen_counts(scores_TE: torch.Tensor, top_k: int, chosen_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Top-k slots of the normalised scores on each expert (what the global loss counts), or the slots
+    of `chosen_TK` (-1: none)."""
+    chosen_TK = torch.topk(scores_TE.detach(), top_k, dim=-1).indices if chosen_TK is None else chosen_TK
+    return count_live_per_expert(chosen_TK, scores_TE.shape[-1])
 
 
 def global_loss(scores_TE: torch.Tensor, fraction_E: torch.Tensor,

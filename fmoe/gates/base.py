@@ -16,6 +16,7 @@ from torch import nn
 from fmoe.autocast import autocast_off
 from fmoe.gates.balance_losses import summed_over
 from fmoe.gates.capacity import drop_over_capacity, expert_capacity
+from fmoe.gates.tape import recorded_choice, replayed_choice
 from fmoe.last_forward import from_last_forward
 
 CapacityArg = Optional[Union[float, Tuple[float, float]]]
@@ -148,6 +149,11 @@ class BaseGate(nn.Module):
     token_partition = None
     loss = from_last_forward()              # FastMoE's: the aux loss of the last forward
     last_logits_TE = from_last_forward()
+    # Router replay (fmoe.replay): "record" or "replay" while fmoe.record_routing / replay_routing is on,
+    # the gate's key to its tape there, and during a replayed route() the recorded experts [T, K].
+    routing_mode = None
+    routing_key = None
+    replayed_TK = None
 
     def __init__(self, *args, **kwargs):
         super().__init__()
@@ -201,20 +207,46 @@ class BaseGate(nn.Module):
         """The full routing decision; `FMoE` and every fmoe component call this, never `forward`.
         A FastMoE-style `forward` is used when it is defined below the class that defines `route`
         (a forward-only gate, or FastMoE's pattern of subclassing NaiveGate and overriding forward)."""
-        forward_cls, route_cls = self._defined_in("forward"), self._defined_in("route")
-        if forward_cls is not BaseGate and forward_cls is not route_cls and issubclass(forward_cls, route_cls):
-            return self._routing_from_forward(x_TD)
-        if not isinstance(x_TD, torch.Tensor):
+        if self.routes_by_forward():
+            routing = self._routing_from_forward(x_TD)
+        elif not isinstance(x_TD, torch.Tensor):
             raise TypeError(f"{type(self).__name__} routes one tensor of rows [T, d_model], but the input is a "
                             f"{type(x_TD).__name__} of tensors: a tree input needs a gate that takes the tree "
                             "(a FastMoE-style gate whose forward(inp) reads it)")
-        return self.routing_by_route(x_TD)
+        else:
+            routing = self.routing_by_route(x_TD)
+        if self.routing_mode == "record":
+            routing.expert_idx_TK = recorded_choice(routing.expert_idx_TK, self.routing_key)
+        return routing
+
+    def routes_by_forward(self) -> bool:
+        forward_cls, route_cls = self._defined_in("forward"), self._defined_in("route")
+        return forward_cls is not BaseGate and forward_cls is not route_cls and issubclass(forward_cls, route_cls)
+
+    def choose(self, choice_TE: torch.Tensor, k: int):
+        """The selection step of every gate: (values, indices) of the k best experts of `choice_TE` per
+        token; under `fmoe.replay_routing`, the recorded experts and their values (a -1 slot's value is
+        the lowest finite number, so a softmax over the slots leaves it out)."""
+        if self.replayed_TK is None:
+            return torch.topk(choice_TE, k, dim=-1)
+        return slot_values(choice_TE, self.replayed_TK, torch.finfo(choice_TE.dtype).min), self.replayed_TK
 
     def routing_by_route(self, x_TD: torch.Tensor) -> Routing:
+        replaying = self.routing_mode == "replay"
+        if replaying:
+            self.replayed_TK = replayed_choice(x_TD.detach(), self.routing_key, self.top_k)
         expert_idx_TK, weight_TK, score_TK, logits_TE, aux = self.route(x_TD)
         self.last_logits_TE = logits_TE
         if self.z_loss_coef:
             aux = aux + self.z_loss_coef * z_loss(logits_TE, self.token_partition)
+        if replaying:
+            # The recorded experts, whatever route() made of them; no capacity, no random routing: the
+            # trace already holds the slots that reached no expert, and they count as unrouted.
+            expert_idx_TK, self.replayed_TK = self.replayed_TK, None
+            unrouted_TK = expert_idx_TK < 0
+            self.set_loss(aux)
+            return Routing(expert_idx_TK, weight_TK.masked_fill(unrouted_TK, 0.0), aux, unrouted_TK.sum(),
+                           unrouted_TK.sum())
         num_dropped = torch.zeros((), dtype=torch.long, device=x_TD.device)
         if self.unroute_before_capacity:
             expert_idx_TK, weight_TK, num_unrouted = self.unroute(expert_idx_TK, weight_TK)
@@ -261,6 +293,11 @@ class BaseGate(nn.Module):
     @property
     def has_loss(self) -> bool:
         return self.loss is not None
+
+
+def slot_values(values_TE: torch.Tensor, expert_idx_TK: torch.Tensor, fill: float) -> torch.Tensor:
+    """values_TE at each slot's expert, `fill` where the slot has none (-1)."""
+    return values_TE.gather(1, expert_idx_TK.clamp_min(0)).masked_fill(expert_idx_TK < 0, fill)
 
 
 class LinearRouter(nn.Module):

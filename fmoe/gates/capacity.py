@@ -24,6 +24,11 @@ def count_per_expert(idx_N: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts_E.scatter_add_(0, idx_N.reshape(-1), torch.ones_like(idx_N.reshape(-1)))
 
 
+def count_live_per_expert(idx_N: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`count_per_expert` of the ids that name an expert (-1 names none)."""
+    return count_per_expert(torch.where(idx_N >= 0, idx_N, num_experts), num_experts + 1)[:-1]
+
+
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """`inv` with inv[order[i]] = i, by a gather rather than a scatter: Inductor (torch 2.13, grad
     enabled) fused a read of a scattered mask before the scatter, so every slot read as dropped."""

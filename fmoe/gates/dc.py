@@ -5,7 +5,7 @@ import math
 import torch
 
 from fmoe.gates.base import BaseGate, LinearRouter
-from fmoe.gates.capacity import count_per_expert
+from fmoe.gates.capacity import count_live_per_expert
 from fmoe.gates.distributed_capacity import limit_by_capacity
 
 
@@ -30,12 +30,15 @@ class DCGate(BaseGate):
 
     def route(self, x_TD):
         logits_TE = self.gate(x_TD)
-        top_TK, idx_TK = torch.topk(logits_TE, 2, dim=-1)
+        top_TK, idx_TK = self.choose(logits_TE, 2)
         weight_TK = torch.softmax(top_TK.float(), dim=-1)
         T = x_TD.shape[0]
-        c_E = count_per_expert(idx_TK[:, 0], self.tot_expert).float() / max(T, 1)
+        c_E = count_live_per_expert(idx_TK[:, 0], self.tot_expert).float() / max(T, 1)
         m_E = torch.softmax(logits_TE.float(), dim=-1).mean(0)
         aux = torch.mean(c_E * m_E) * self.num_expert ** 2
+        if self.replayed_TK is not None:        # a replayed slot is never dropped
+            self.capacity_drops = torch.zeros((), dtype=torch.long, device=x_TD.device)
+            return idx_TK, weight_TK, weight_TK, logits_TE, aux
         rate = self.capacity[0] if self.training else self.capacity[1]
         _, _, kept_TK = limit_by_capacity(idx_TK, self.num_expert, self.world_size, math.ceil(rate * T),
                                           self.moe_group)

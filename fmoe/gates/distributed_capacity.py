@@ -4,7 +4,7 @@ first-come: ranks in order, then this rank's slots in token order."""
 import torch
 import torch.distributed as dist
 
-from fmoe.gates.capacity import count_per_expert, inverse_permutation
+from fmoe.gates.capacity import count_live_per_expert, inverse_permutation
 
 
 def group_size(group) -> int:
@@ -33,7 +33,7 @@ def keep_first(target_S: torch.Tensor, allowed_X: torch.Tensor) -> torch.Tensor:
     target = target_S.clamp_min(0)
     order = torch.sort(torch.where(live_S, target, allowed_X.numel()), stable=True).indices
     sorted_target = target[order]
-    counts = count_per_expert(torch.where(live_S, target, allowed_X.numel()), allowed_X.numel() + 1)[:-1]
+    counts = count_live_per_expert(target_S, allowed_X.numel())
     starts = torch.cumsum(counts, 0) - counts
     rank_in_target = torch.arange(order.numel(), device=order.device) - starts[sorted_target]
     keep = (rank_in_target < allowed_X[sorted_target])[inverse_permutation(order)]
@@ -45,7 +45,7 @@ def limit_by_capacity(topk_idx, num_expert: int, world_size: int, capacity: int,
     Returns (this rank's accepted slots per expert, the same for every rank [W, E], pruned idx)."""
     idx_S = topk_idx.reshape(-1)
     tot = num_expert * world_size
-    counts_E = count_per_expert(torch.where(idx_S >= 0, idx_S, tot), tot + 1)[:-1]
+    counts_E = count_live_per_expert(idx_S, tot)
     counts_WE = gather_counts(counts_E, group if world_size > 1 else None)
     accepted_WE = accepted_first_come(counts_WE, torch.full_like(counts_E, capacity))
     me = dist.get_rank(group) if counts_WE.shape[0] > 1 else 0

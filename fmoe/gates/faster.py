@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from fmoe.gates.base import check_float, check_int
+from fmoe.gates.base import check_float, check_int, slot_values
 from fmoe.gates.router import RouterGate
 
 
@@ -55,18 +55,24 @@ class FasterGate(RouterGate):
     def route(self, x_TD):
         logits_TE = self.router_logits(x_TD)
         K = self.top_k
-        top_TK, idx_TK = torch.topk(logits_TE, K, dim=-1)
+        top_TK, idx_TK = self.choose(logits_TE, K)
+        if self.replayed_TK is None:
+            idx_TK = self.cap_outgoing(x_TD, logits_TE, top_TK, idx_TK)
+        weight_TK = torch.softmax(slot_values(logits_TE, idx_TK, torch.finfo(logits_TE.dtype).min), dim=-1)
+        return idx_TK, weight_TK, weight_TK, logits_TE, logits_TE.new_zeros(())
+
+    @torch.no_grad()
+    def cap_outgoing(self, x_TD, logits_TE, top_TK, idx_TK):
+        """The choice with the outgoing slots capped (see the module docstring)."""
+        K = self.top_k
         off_node_E = ~self.expert_on_my_node_E(x_TD.device)
         first_T = idx_TK[:, 0]
         outgoing_T = off_node_E[first_T]
         limit = int(x_TD.shape[0] * self.outgoing_fraction)
-        with torch.no_grad():
-            ranked_T = top_TK[:, 0].masked_fill(~outgoing_T, -math.inf)
-            kept_T = torch.zeros_like(outgoing_T).scatter(0, torch.topk(ranked_T, limit).indices, True)
-            local_idx_TK = torch.topk(logits_TE.masked_fill(off_node_E, -math.inf), K, dim=-1).indices
-            last_K = torch.where(kept_T & outgoing_T, first_T, local_idx_TK[:, K - 1])
-            capped_idx_TK = torch.cat([local_idx_TK[:, :K - 1], last_K[:, None]], dim=1)
-            over_limit = outgoing_T.sum() >= limit
-            idx_TK = torch.where(over_limit, capped_idx_TK, idx_TK)
-        weight_TK = torch.softmax(logits_TE.gather(1, idx_TK), dim=-1)
-        return idx_TK, weight_TK, weight_TK, logits_TE, logits_TE.new_zeros(())
+        ranked_T = top_TK[:, 0].masked_fill(~outgoing_T, -math.inf)
+        kept_T = torch.zeros_like(outgoing_T).scatter(0, torch.topk(ranked_T, limit).indices, True)
+        local_idx_TK = torch.topk(logits_TE.masked_fill(off_node_E, -math.inf), K, dim=-1).indices
+        last_K = torch.where(kept_T & outgoing_T, first_T, local_idx_TK[:, K - 1])
+        capped_idx_TK = torch.cat([local_idx_TK[:, :K - 1], last_K[:, None]], dim=1)
+        over_limit = outgoing_T.sum() >= limit
+        return torch.where(over_limit, capped_idx_TK, idx_TK)

@@ -10,18 +10,18 @@ import torch
 
 from fmoe.gates.balance_losses import summed_over
 from fmoe.gates.base import check_bool, check_choice
-from fmoe.gates.capacity import CAPACITY_FORMULAS, count_per_expert
+from fmoe.gates.capacity import CAPACITY_FORMULAS, count_live_per_expert
 from fmoe.gates.router import RouterGate
 
 
 def balance_loss(probs_TE: torch.Tensor, top1_E_T: torch.Tensor, partition=None) -> torch.Tensor:
-    """E * sum_e(fraction of tokens whose first choice is e * mean router probability of e), over the
+    """E * sum_e(fraction of tokens whose first choice is e (-1: none) * mean router probability of e), over the
     tokens of all ranks of a `partition` (see `balance_losses`).
 
     Equals 1 when routing is uniform; GShard's l_aux and Switch's balance loss alike.
     """
     T, E = probs_TE.shape
-    counts_E, T = summed_over(partition, count_per_expert(top1_E_T, E).to(probs_TE.dtype), T)
+    counts_E, T = summed_over(partition, count_live_per_expert(top1_E_T, E).to(probs_TE.dtype), T)
     if T == 0:
         return probs_TE.sum() * 0.0
     return E * torch.sum(counts_E / T * probs_TE.sum(0) / T)

@@ -46,11 +46,13 @@ class NoisyGate(BaseGate):
             else:
                 logits_TE = clean_TE
         k = self.top_k
-        n_top = min(k + 1, self.tot_expert)
-        top_logits, top_idx = torch.topk(logits_TE, n_top, dim=-1)
+        # The k + 1-th logit is the load's threshold; a replayed choice is counted as it is.
+        n_top = k if self.replayed_TK is not None else min(k + 1, self.tot_expert)
+        top_logits, top_idx = self.choose(logits_TE, n_top)
         expert_idx_TK = top_idx[:, :k]
         weight_TK = torch.softmax(top_logits[:, :k], dim=-1)
-        gates_TE = torch.zeros_like(logits_TE, dtype=weight_TK.dtype).scatter(1, expert_idx_TK, weight_TK)
+        gates_TE = torch.zeros_like(logits_TE, dtype=weight_TK.dtype).scatter_add(
+            1, expert_idx_TK.clamp_min(0), weight_TK.masked_fill(expert_idx_TK < 0, 0.0))
         importance_E = gates_TE.sum(0)
         if noisy and n_top > k:
             load_E = self._smooth_load(clean_TE, logits_TE, noise_std_TE, top_logits).sum(0)

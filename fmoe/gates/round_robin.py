@@ -1,7 +1,7 @@
 """A perfectly balanced gate for timing: the benchmarks' baseline routing and the perf model's calibration."""
 import torch
 
-from fmoe.gates.base import BaseGate, LinearRouter
+from fmoe.gates.base import BaseGate, LinearRouter, slot_values
 
 
 class RoundRobinGate(BaseGate):
@@ -20,5 +20,7 @@ class RoundRobinGate(BaseGate):
         logits_TE = self.gate(x_TD)
         slots = torch.arange(T * self.top_k, device=x_TD.device)
         idx_TK = (self.first_expert + slots % (self.tot_expert - self.first_expert)).view(T, self.top_k)
-        weight_TK = torch.softmax(logits_TE.gather(1, idx_TK).float(), -1)
+        if self.replayed_TK is not None:
+            idx_TK = self.replayed_TK
+        weight_TK = torch.softmax(slot_values(logits_TE, idx_TK, torch.finfo(logits_TE.dtype).min).float(), -1)
         return idx_TK, weight_TK, weight_TK, logits_TE, logits_TE.new_zeros(())

@@ -4,7 +4,7 @@
     scores = softmax(logits) | sigmoid(logits)
     choice = scores (+ e_score_correction_bias)            the bias steers the choice only
              limited to the best `topk_group` of `n_group` expert groups
-    idx    = top-k(choice)
+    idx    = top-k(choice)                                 under fmoe.replay_routing: the recorded experts
     weight = scores[idx]  (renormalised if norm_topk_prob) * routed_scaling_factor
 
 `softmax_after_topk` instead takes the top-k of the logits and weighs by a softmax over those
@@ -17,7 +17,7 @@ import torch
 
 from fmoe.gates.balance_losses import (AUX_LOSSES, chosen_counts, global_loss, normalised_scores, sequence_loss,
                                        switch_loss)
-from fmoe.gates.base import BaseGate, LinearRouter, check_bool, check_choice, check_float, check_int
+from fmoe.gates.base import BaseGate, LinearRouter, check_bool, check_choice, check_float, check_int, slot_values
 from fmoe.gates.load_state import BIAS_UPDATES, check_balance_group, in_recompute, reduce_over_replicas, trains
 
 SELECTION_BIAS = (None, "frozen", "updated")
@@ -44,17 +44,21 @@ class SparseMixerGrad(torch.autograd.Function):
         return grad_TE, None, None, None, None
 
 
-def sparsemixer_top2(logits_TE: torch.Tensor, jitter_eps: float, training: bool):
+def sparsemixer_top2(logits_TE: torch.Tensor, jitter_eps: float, training: bool, replayed_TK=None):
     """PhiMoE's top-2: each choice among the experts within a relative 2*eps of the best
-    remaining logit (Gumbel-sampled in training, the best in evaluation)."""
+    remaining logit (Gumbel-sampled in training, the best in evaluation); `replayed_TK` the two
+    choices instead (each one's softmax over that band and the replayed expert)."""
     chosen, weights = [], []
     remaining_TE = logits_TE
-    for _ in range(2):
+    for i in range(2):
         with torch.no_grad():
             best_T1, best_idx_T1 = remaining_TE.max(dim=-1, keepdim=True)
             far_TE = (best_T1 - logits_TE) / logits_TE.abs().clamp(min=best_T1) > 2 * jitter_eps
+            if replayed_TK is not None:
+                best_idx_T1 = replayed_TK[:, i:i + 1].clamp_min(0)
+                far_TE = far_TE.scatter(-1, best_idx_T1, False)
         masked_TE = remaining_TE.masked_fill(far_TE, -math.inf)
-        if training:
+        if training and replayed_TK is None:
             gumbel_TE = torch.empty_like(masked_TE).exponential_().log()
             idx_T1 = (masked_TE - gumbel_TE).max(dim=-1)[1].unsqueeze(-1)
         else:
@@ -176,43 +180,53 @@ class RouterGate(BaseGate):
         counting = self.training and self.selection_bias == "updated" and trains()
         if counting and self.bias_update == "forward":
             end_step_of([self], self.balance_group, self.label, bias_only=True)
-        if self.sparsemixer:
-            weight_TK, expert_idx_TK = sparsemixer_top2(logits_TE, self.jitter_eps, self.training)
-        elif self.softmax_after_topk:
-            top_TK, expert_idx_TK = torch.topk(self.biased(logits_TE), self.top_k, dim=-1)
-            if self.selection_bias is not None:
-                top_TK = logits_TE.gather(1, expert_idx_TK)
-            weight_TK = torch.softmax(top_TK, dim=-1)
-        else:
-            scores_TE = torch.softmax(logits_TE, -1) if self.score == "softmax" else torch.sigmoid(logits_TE)
-            choice_TE = self.limit_to_groups(self.biased(scores_TE.detach()))
-            expert_idx_TK = torch.topk(choice_TE, self.top_k, dim=-1).indices
-            weight_TK = scores_TE.gather(1, expert_idx_TK)
-            if self.norm_topk_prob:
-                weight_TK = weight_TK / (weight_TK.sum(-1, keepdim=True) + 1e-20)
-        if self.routed_scaling_factor != 1.0:
-            weight_TK = weight_TK * self.routed_scaling_factor
+        expert_idx_TK, weight_TK = self.select(logits_TE, self.training)
         if counting:
             self.count_load(expert_idx_TK)
         return expert_idx_TK, weight_TK, weight_TK, logits_TE, self.balance_loss(logits_TE)
 
+    def select(self, logits_TE, training: bool):
+        """(expert_idx_TK, weight_TK) from the router logits: the selection and the weights of the
+        module docstring (`training`: PhiMoE's sampled choice)."""
+        if self.sparsemixer:
+            weight_TK, expert_idx_TK = sparsemixer_top2(logits_TE, self.jitter_eps, training, self.replayed_TK)
+        elif self.softmax_after_topk:
+            top_TK, expert_idx_TK = self.choose(self.biased(logits_TE), self.top_k)
+            if self.selection_bias is not None:
+                top_TK = slot_values(logits_TE, expert_idx_TK, torch.finfo(logits_TE.dtype).min)
+            weight_TK = torch.softmax(top_TK, dim=-1)
+        else:
+            scores_TE = torch.softmax(logits_TE, -1) if self.score == "softmax" else torch.sigmoid(logits_TE)
+            choice_TE = self.limit_to_groups(self.biased(scores_TE.detach()))
+            expert_idx_TK = self.choose(choice_TE, self.top_k)[1]
+            weight_TK = slot_values(scores_TE, expert_idx_TK, 0.0)
+            if self.norm_topk_prob:
+                weight_TK = weight_TK / (weight_TK.sum(-1, keepdim=True) + 1e-20)
+        if self.routed_scaling_factor != 1.0:
+            weight_TK = weight_TK * self.routed_scaling_factor
+        return expert_idx_TK, weight_TK
+
     def balance_loss(self, logits_TE):
-        """The sum of the chosen `aux_loss` terms, each times its coefficient."""
+        """The sum of the chosen `aux_loss` terms, each times its coefficient. Under replay each counts
+        the replayed experts as the chosen ones."""
         aux = logits_TE.new_zeros(())
+        chosen_TK = self.replayed_TK
         if "switch" in self.aux_losses:
-            aux = aux + self.aux_losses["switch"] * switch_loss(logits_TE, self.top_k, self.token_partition)
+            aux = aux + self.aux_losses["switch"] * switch_loss(logits_TE, self.top_k, self.token_partition,
+                                                                chosen_TK)
         if "sequence" in self.aux_losses or "global" in self.aux_losses:
             scores_TE = normalised_scores(logits_TE, self.score)
             if "sequence" in self.aux_losses:
+                chosen_SBK = None if chosen_TK is None else self.by_sequence(chosen_TK)
                 aux = aux + self.aux_losses["sequence"] * sequence_loss(self.by_sequence(scores_TE), self.top_k,
-                                                                                self.token_partition)
+                                                                        self.token_partition, chosen_SBK)
             if "global" in self.aux_losses:
-                aux = aux + self.aux_losses["global"] * global_loss(scores_TE, self.global_fraction(scores_TE),
-                                                                            self.token_partition)
+                aux = aux + self.aux_losses["global"] * global_loss(
+                    scores_TE, self.global_fraction(scores_TE, chosen_TK), self.token_partition)
         return aux
 
     def by_sequence(self, scores_TE):
-        """The scores laid [S, B, E]: B sequences of S tokens."""
+        """The scores (or any per-token rows) laid [S, B, E]: B sequences of S tokens."""
         T, E = scores_TE.shape
         if self.seq_len is not None:
             if T % self.seq_len:
@@ -228,10 +242,10 @@ class RouterGate(BaseGate):
             return scores_TE.view(lead[0], -1, E)
         return scores_TE.view(-1, lead[-1], E).transpose(0, 1)
 
-    def global_fraction(self, scores_TE):
+    def global_fraction(self, scores_TE, chosen_TK=None):
         """Slots on each expert / all slots, over the replicas and the step's micro-batches so far.
         A recompute replays its forward's fraction: the loss and its gradient come out the same."""
-        slots_E = chosen_counts(scores_TE, self.top_k)
+        slots_E = chosen_counts(scores_TE, self.top_k, chosen_TK)
         if not self.training:       # evaluation: this batch's own counts, no collective
             return slots_E.float() / slots_E.sum().clamp_min(1)
         if in_recompute() and self.global_fractions:

@@ -61,8 +61,8 @@ class SwipeGate(BaseGate):
 
     def route(self, x_TD):
         logits_TE = self.gate(x_TD)
-        top_TK, idx_TK = torch.topk(logits_TE, self.top_k, dim=-1)
-        if self.training:
+        top_TK, idx_TK = self.choose(logits_TE, self.top_k)
+        if self.training and self.replayed_TK is None:     # a replayed choice is kept as it is
             capacity = torch.tensor(x_TD.shape[0] * self.top_k, dtype=torch.long)
             columns = []
             for k in range(self.top_k):

@@ -10,6 +10,8 @@
   `from_pretrained(path)` reloads what `save_pretrained` wrote after `moefy`.
 - `RoutingStatsCallback.add_to(trainer)`: every MoE layer's routing statistics in a Trainer's logs.
 - `BiasUpdateCallback()`: a learned selection bias moved once per Trainer optimizer step.
+- `trace_from_router_logits(model, router_logits)`: a routing trace for `fmoe.replay_routing` from the
+  router logits of a transformers forward (`output_router_logits=True`).
 - Importing this package registers the experts implementation "fmoe" with transformers.
 """
 from fmoe.hf.callback import BiasUpdateCallback, RoutingStatsCallback
@@ -18,10 +20,11 @@ from fmoe.hf.experts_impl import register_experts_implementation
 from fmoe.hf.export import export
 from fmoe.hf.families import FAMILIES
 from fmoe.hf.loading import load
+from fmoe.hf.routing import trace_from_router_logits
 from fmoe.hf.upcycle import MoEMLP, add_aux_loss, from_pretrained, moefy
 
 register_experts_implementation()
 
 __all__ = ["convert", "load", "export", "converted_blocks", "HFMoEBlock", "FAMILIES", "moefy", "from_pretrained",
            "MoEMLP", "add_aux_loss", "register_experts_implementation", "RoutingStatsCallback",
-           "BiasUpdateCallback"]
+           "BiasUpdateCallback", "trace_from_router_logits"]

@@ -62,6 +62,7 @@ class MegatronMLP(MegatronModule):
         # pg_collection, is_mtp_layer and name are what megatron-core >= 0.17 passes every MLP builder.
         super().__init__(config=config)
         self.name = name
+        self.is_mtp_layer = is_mtp_layer
         require_parallel_state("MegatronMLP")
         num_experts = num_experts if num_experts is not None else config.num_moe_experts
         if num_experts is None:
@@ -142,7 +143,11 @@ class MegatronMLP(MegatronModule):
                     self.config.output_layer_init_method(p)
 
     def set_layer_number(self, layer_number: int):
+        """Megatron's global layer number (1-based); the layer's name in a routing trace follows it, so each
+        pipeline stage finds its own layers in a whole model's trace (`fmoe.replay_routing`)."""
         self.layer_number = layer_number
+        if not self.is_mtp_layer:
+            self.moe.routing_name = f"decoder.layers.{layer_number - 1}.mlp.moe"
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """hidden_states [s, b, h]; `padding_mask` [b, s], True at padding (Megatron's convention): padded
