@@ -70,7 +70,7 @@ class GLU(GatedActivation):
         return self.act(gate) * up
 
     def fused_spec(self) -> Optional[str]:
-        name = _glu_act_name(self.act)
+        name = glu_act_name(self.act)
         return None if name is None else f"glu:{name}:{self.layout}"
 
 
@@ -96,7 +96,7 @@ class ClampedSwiGLU(GatedActivation):
         return f"alpha={self.alpha}, limit={self.limit}, interleaved={self.interleaved}"
 
 
-def _glu_act_name(act) -> Optional[str]:
+def glu_act_name(act) -> Optional[str]:
     """torch's (and transformers') SiLU / GELU / ReLU under the names of torch_ops.GLU_ACTS, else None."""
     if act is F.silu or isinstance(act, nn.SiLU):
         return "silu"

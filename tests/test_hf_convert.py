@@ -189,6 +189,23 @@ def test_experts_implementation_fmoe_matches_eager(family):
             torch.testing.assert_close(q.grad, p.grad, **TOL, msg=lambda m: f"{n}: {m}")
 
 
+def test_experts_implementation_fmoe_takes_the_lean_fused_path_where_it_knows_the_activation(monkeypatch):
+    """transformers' default gate with SiLU runs fmoe.kernels.routed_mlp (the fused kernels on a GPU);
+    gpt-oss's own clamped gate keeps the unfused path."""
+    from fmoe.hf import experts_impl
+    calls = []
+    real = experts_impl.kernels.routed_mlp
+    monkeypatch.setattr(experts_impl.kernels, "routed_mlp", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    for family, spec in (("mixtral", "swiglu"), ("gpt_oss", None)):
+        model = tiny(family)
+        experts = next(m for m in model.modules() if hasattr(m, "down_proj"))
+        assert experts_impl.fused_spec(experts, True) == spec, family
+        model.set_experts_implementation("fmoe")
+        calls.clear()
+        run(model, tokens())
+        assert calls == ([spec] * len(calls) if spec else []) and (bool(calls) == bool(spec)), family
+
+
 def test_experts_implementation_fmoe_reads_layouts_of_releases_without_the_flags():
     """transformers before 5.20 sets no `has_gate` / `has_post_expert_norm` on the experts: the
     tensors present stand in for them."""

@@ -2,8 +2,12 @@
 
     model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="fmoe")
 
-runs an unconverted model's fused experts on fmoe's kernels (one sort into a RoutingPlan,
-permute, two grouped GEMMs, unpermute), reading transformers' own expert tensors in place. It
+runs an unconverted model's fused experts on fmoe's kernels, reading transformers' own expert
+tensors in place: one sort into a RoutingPlan, then, for the activations fmoe's kernels know
+(transformers' default gate with SiLU / GELU / ReLU, or a plain GELU / ReLU), the lean MLP with its
+combine (`fmoe.kernels.routed_mlp`: on a GPU the fused Triton kernels, nothing of size T*K*D kept
+for the backward); for any other (gpt-oss's own gate, a post-expert norm) permute, two grouped
+GEMMs and a weighted unpermute. It
 routes with the model's own router and keeps every expert on every process; for fmoe's expert
 parallelism and routing options, `fmoe.hf.convert` the model instead.
 """
@@ -12,6 +16,7 @@ import warnings
 import torch
 
 from fmoe import kernels
+from fmoe.experts import glu_act_name
 from fmoe.routing import RoutingPlan
 
 NAME = "fmoe"
@@ -27,16 +32,39 @@ def fmoe_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     # transformers' own expert parallelism marks slots of other ranks' experts with ids >= E: no row.
     expert_idx_TK = torch.where(top_k_index < E, top_k_index, torch.full_like(top_k_index, -1))
     plan = RoutingPlan.build(expert_idx_TK, E)
-    x_ND = kernels.permute(hidden_states, plan)
     up = self.gate_up_proj if has_gate else self.up_proj
     up_bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
-    h_NF = kernels.grouped_mm(x_ND, up if is_transposed else up.transpose(1, 2), plan.counts_E, up_bias)
-    h_NF = self._apply_gate(h_NF) if has_gate else self.act_fn(h_NF)
+    w1_eDF = up if is_transposed else up.transpose(1, 2)
     down = self.down_proj if is_transposed else self.down_proj.transpose(1, 2)
+    spec = fused_spec(self, has_gate)
+    if spec is not None:
+        return kernels.routed_mlp(hidden_states, plan, top_k_weights, spec, w1_eDF, down, up_bias,
+                                  self.down_proj_bias if has_bias else None).to(hidden_states.dtype)
+    x_ND = kernels.permute(hidden_states, plan)
+    h_NF = kernels.grouped_mm(x_ND, w1_eDF, plan.counts_E, up_bias)
+    h_NF = self._apply_gate(h_NF) if has_gate else self.act_fn(h_NF)
     y_ND = kernels.grouped_mm(h_NF, down, plan.counts_E, self.down_proj_bias if has_bias else None)
     if getattr(self, "has_post_expert_norm", False):
         y_ND = self.post_expert_norm(y_ND)
     return kernels.unpermute(y_ND, plan, top_k_weights.to(y_ND.dtype)).to(hidden_states.dtype)
+
+
+def fused_spec(experts, has_gate: bool):
+    """The fused activation spec (`fmoe.experts.fused_activation_spec`) of transformers' experts module,
+    or None where fmoe's kernels do not know its activation: a gate of its own (gpt-oss's clamped one),
+    a post-expert norm, an activation other than SiLU / GELU / ReLU."""
+    if getattr(experts, "has_post_expert_norm", False):
+        return None
+    act = glu_act_name(getattr(experts, "act_fn", None))
+    if not has_gate:
+        return act if act in ("gelu", "relu") else None
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return None
+    if act is None or getattr(type(experts), "_apply_gate", None) is not _default_apply_gate:
+        return None
+    return "swiglu" if act == "silu" else f"glu:{act}:split"      # gate first, then up: chunk(2)
 
 
 def dbrx_experts_implementation(self, requested_experts):
