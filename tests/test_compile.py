@@ -202,6 +202,9 @@ def test_custom_ops_pass_opcheck():
         torch.library.opcheck(ops.unpermute, (x, weight_TK, plan.token_N, plan.slot_N, plan.row_of_slot_TK, impl))
         torch.library.opcheck(ops.gather_grouped_mm,
                               (x_TD, plan.token_N, w, counts, plan.row_of_slot_TK, b, impl))
+        for keep_hidden in (True, False):
+            torch.library.opcheck(ops.routed_mlp, (x_TD, plan.token_N, plan.slot_N, plan.row_of_slot_TK, plan.counts_E,
+                                                   weight_TK, "gelu", w, w2, b, b2, keep_hidden, impl))
     torch.library.opcheck(ops.expert_mlp_with_hidden, (x, counts, "gelu", w, w2, b, b2))
 
 
