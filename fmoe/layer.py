@@ -1,6 +1,5 @@
 """FMoE: gate -> plan -> permute -> (exchange) -> experts -> (exchange) -> unpermute."""
 import contextlib
-import dataclasses
 import warnings
 from typing import Optional
 
