@@ -519,9 +519,10 @@ def convert(src: str, dst: str, to: str, ep_size: int = 1, layout: str = "sequen
     if to not in FORMATS:
         raise ValueError(f"--to must be one of {FORMATS}, got {to!r}")
     check_destination(src, dst, overwrite)
+    config = None if hf_config is None else load_hf_config(hf_config)     # the arguments before SRC
     ckpt = read(src)
-    if hf_config is not None:
-        ckpt.hf_config = load_hf_config(hf_config)
+    if config is not None:
+        ckpt.hf_config = config
     count_in = ckpt.check_whole(src)
     writers = {"megatron": lambda path: write_megatron(ckpt, path, ep_size, layout, pp_size),
                "fmoe": lambda path: write_fmoe(ckpt, path), "hf": lambda path: write_hf(ckpt, path)}

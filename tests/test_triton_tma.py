@@ -7,6 +7,7 @@ the copy engine and wgmma on sm_90, is checked by the AOT test (tests/test_kerne
 """
 import contextvars
 import threading
+import types
 
 import pytest
 import torch
@@ -112,9 +113,11 @@ def test_gpus_before_hopper_keep_the_plain_kernel(monkeypatch):
     takes = triton_grouped_mm_tma.gpu_takes_tma
     assert not takes((8, 0), torch.bfloat16) and not takes((8, 9), torch.float16)
     assert takes((9, 0), torch.bfloat16) and takes((10, 0), torch.float16)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    # torch 2.13's cuBLAS settings object answers allow_tf32 through __getattr__, which monkeypatch
+    # cannot patch: the whole object is replaced instead.
+    monkeypatch.setattr(torch.backends.cuda, "matmul", types.SimpleNamespace(allow_tf32=True))
     assert takes((9, 0), torch.float32)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda, "matmul", types.SimpleNamespace(allow_tf32=False))
     assert not takes((9, 0), torch.float32)       # exact fp32 runs on the CUDA cores: nothing to feed
 
 
