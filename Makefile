@@ -3,14 +3,14 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test test-modes aot test-megatron19 test-megatron-parallel clean
+.PHONY: setup demo test test-compat test-modes aot test-megatron19 test-megatron-parallel clean
 
 # The venv sees the system site-packages so an installed torch (CPU or CUDA) is reused,
 # never replaced by a multi-GB download.
-$(VENV)/.installed: setup.py
+$(VENV)/.installed: setup.py constraints.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e '.[test]' -c constraints.txt
 	touch $@
 
 setup: $(VENV)/.installed
@@ -20,6 +20,39 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# The declared floors and the newest releases, each in a venv of its own, on the tests that read a moving
+# API: import, every recompute mode, compile with fullgraph=True, autocast, the HF families and routers,
+# the Triton kernels under the CPU interpreter (one thread: the tensors are tiny). Oldest: torch 2.4.1
+# (its triton 3.0.0), numpy 1.26.4, transformers 5.0.0, pytest 8.0.0, without the system's packages.
+# PyPI's Linux torch wheels are CUDA builds (they import without a GPU): 2.4.1 with its CUDA libraries
+# is about 2.7 GB, under a minute to download and two to install here. Newest: the newest
+# triton, numpy, transformers and pytest over the system's torch (CI's 2.13.0 CPU); torch 2.14.1, a
+# CUDA build, installs as 5.8 GB in about 11 minutes here, beyond this target's 15.
+COMPAT_OLDEST := torch==2.4.1 numpy==1.26.4 transformers==5.0.0 pytest==8.0.0 pytest-timeout
+COMPAT_NEWEST := --upgrade triton numpy transformers pytest pytest-timeout
+COMPAT_TESTS  := tests/test_versions.py tests/test_memory.py tests/test_compile.py tests/test_autocast.py \
+                 tests/test_router.py tests/test_hf.py tests/test_triton_kernels.py
+COMPAT_SKIP   := not benchmark and not gradcheck and not expert_parallel and not two_ranks
+
+.venv-compat-oldest/.installed: setup.py
+	rm -rf .venv-compat-oldest
+	$(PYTHON) -m venv .venv-compat-oldest
+	.venv-compat-oldest/bin/pip install --quiet -e . $(COMPAT_OLDEST)
+	touch $@
+
+.venv-compat-newest/.installed: setup.py
+	rm -rf .venv-compat-newest
+	$(PYTHON) -m venv --system-site-packages .venv-compat-newest
+	.venv-compat-newest/bin/python -c "import torch" 2>/dev/null || .venv-compat-newest/bin/pip install torch
+	.venv-compat-newest/bin/pip install --quiet -e . $(COMPAT_NEWEST)
+	touch $@
+
+test-compat: .venv-compat-oldest/.installed .venv-compat-newest/.installed
+	for v in oldest newest; do \
+	  .venv-compat-$$v/bin/python -c 'import torch, triton, numpy, transformers, pytest; print("'$$v':", *(f"{m.__name__} {m.__version__}" for m in (torch, triton, numpy, transformers, pytest)))' && \
+	  OMP_NUM_THREADS=1 .venv-compat-$$v/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) -k '$(COMPAT_SKIP)' || exit 1; \
+	done
 
 # Every gate and preset x train / eval x capacity x grad, compiled with Inductor against eager; router
 # replay compiled for every gate and preset, and at 4 ranks.
@@ -57,4 +90,4 @@ test-megatron19: $(VENV19)/.installed
 	$(VENV19)/bin/python -m pytest -q tests/test_megatron*.py
 
 clean:
-	rm -rf $(VENV) $(VENV19) runs
+	rm -rf $(VENV) $(VENV19) .venv-compat-oldest .venv-compat-newest runs

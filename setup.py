@@ -9,10 +9,12 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["fmoe", "fmoe.*"]),
     python_requires=">=3.9",
-    install_requires=["torch>=2.4", "numpy", "tqdm", "matplotlib", "triton>=3.0; platform_system == \"Linux\""],
+    # The floors are the oldest releases `make test-compat` runs (torch 2.4.1 with its triton 3.0.0,
+    # numpy 1.26.4, transformers 5.0.0, pytest 8.0.0); README "Requirements" says which feature needs more.
+    install_requires=["torch>=2.4", "numpy>=1.26", "tqdm", "matplotlib", "triton>=3.0; platform_system == \"Linux\""],
     extras_require={
         "triton": ["triton>=3.0"],
-        "test": ["pytest>=7", "pytest-timeout", "triton>=3.0", "deepspeed==0.19.8", "transformers==5.24.0",
+        "test": ["pytest>=8", "pytest-timeout", "triton>=3.0", "deepspeed==0.19.8", "transformers==5.24.0",
                  "megatron-core==0.16.1", "accelerate>=1.1.0", "tensorboard", "wandb"],
         "deepspeed": ["deepspeed==0.19.8"],
         "hf": ["transformers>=5,<6"],

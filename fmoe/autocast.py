@@ -8,8 +8,34 @@ import torch
 CASTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
+
+def _autocast_device_types() -> frozenset:
+    """The device types autocast knows, asked once at import: Dynamo traces the question
+    (`torch._C._is_autocast_available`) only from torch 2.12 on."""
+    names = {"cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu",
+             torch._C._get_privateuse1_backend_name()}
+    known = set()
+    for name in names:
+        try:
+            if torch.amp.is_autocast_available(name):
+                known.add(name)
+        except RuntimeError:        # a device type this torch does not know
+            pass
+    return frozenset(known)
+
+
+AUTOCAST_DEVICE_TYPES = _autocast_device_types()
+
+
+def autocast_available(device_type: str) -> bool:
+    if device_type in AUTOCAST_DEVICE_TYPES:
+        return True
+    # A backend registered after import; compiled code sees only the ones known at import.
+    return not torch.compiler.is_compiling() and torch.amp.is_autocast_available(device_type)
+
+
 def autocast_enabled(device_type: str) -> bool:
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:

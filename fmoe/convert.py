@@ -530,9 +530,10 @@ def convert(src: str, dst: str, to: str, ep_size: int = 1, layout: str = "sequen
     if hf_config is not None and not os.path.isfile(os.path.join(hf_config, HF_CONFIG)):
         raise ValueError(f"--hf-config {hf_config}: the folder holds no {HF_CONFIG}")
     check_destination(src, dst, overwrite)
+    config = None if hf_config is None else load_hf_config(hf_config)     # the arguments before SRC
     ckpt = read(src)
-    if hf_config is not None:
-        ckpt.hf_config = load_hf_config(hf_config)
+    if config is not None:
+        ckpt.hf_config = config
     count_in = ckpt.check_whole(src)
     writers = {"megatron": lambda path: write_megatron(ckpt, path, ep_size, layout, pp_size),
                "fmoe": lambda path: write_fmoe(ckpt, path), "hf": lambda path: write_hf(ckpt, path)}

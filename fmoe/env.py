@@ -2,12 +2,21 @@
 import math
 import os
 
+import torch
+
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("", "0", "false", "off", "no")
 
 
+@torch.compiler.assume_constant_result
+def env_raw(name: str) -> "str | None":
+    """The variable's text, or None; a compiled graph keeps what it read when traced (Dynamo before
+    torch 2.5 cannot trace `os.environ`)."""
+    return os.environ.get(name)
+
+
 def env_flag(name: str, default: bool = False) -> bool:
-    raw = os.environ.get(name)
+    raw = env_raw(name)
     if raw is None:
         return default
     value = raw.strip().lower()
@@ -17,7 +26,7 @@ def env_flag(name: str, default: bool = False) -> bool:
 
 
 def env_int(name: str, default: int, minimum: int = 1) -> int:
-    raw = os.environ.get(name)
+    raw = env_raw(name)
     if raw is None:
         return default
     try:
@@ -31,7 +40,7 @@ def env_int(name: str, default: int, minimum: int = 1) -> int:
 
 def env_float(name: str, default: float, positive: bool = True) -> float:
     """A finite number (> 0 when `positive`), e.g. seconds or FLOP/s."""
-    raw = os.environ.get(name)
+    raw = env_raw(name)
     if raw is None:
         return default
     try:
@@ -45,7 +54,7 @@ def env_float(name: str, default: float, positive: bool = True) -> float:
 
 
 def env_choice(name: str, choices) -> "str | None":
-    raw = os.environ.get(name)
+    raw = env_raw(name)
     if raw is None or raw == "":
         return None
     if raw not in choices:

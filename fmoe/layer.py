@@ -1,6 +1,5 @@
 """FMoE: gate -> plan -> permute -> (exchange) -> experts -> (exchange) -> unpermute."""
 import contextlib
-import dataclasses
 import warnings
 from typing import Optional
 
@@ -63,6 +62,17 @@ def check_world(world_size, moe_group) -> int:
             raise ValueError(f"world_size={world_size} must equal the size of moe_group (or the world), {group_size}")
         world_size = group_size
     return world_size
+
+
+def floating_parameters(module: nn.Module):
+    """The module's floating-point parameters, walked without `named_modules` (its memo set stops
+    Dynamo before torch 2.5)."""
+    for p in module._parameters.values():
+        if p is not None and p.is_floating_point():
+            yield p
+    for child in module._modules.values():
+        if child is not None:
+            yield from floating_parameters(child)
 
 
 class FMoE(nn.Module):
@@ -219,7 +229,7 @@ class FMoE(nn.Module):
         if x.dim() < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"{self.label}: x must have last dimension d_model={self.d_model}, "
                              f"got shape {tuple(x.shape)}")
-        params = [p for p in self.parameters() if p.is_floating_point()]
+        params = list(floating_parameters(self))
         devices = {p.device for p in params}
         if devices and x.device not in devices:
             raise ValueError(f"{self.label}: input is on {x.device}, the layer's parameters on "
@@ -342,12 +352,12 @@ class FMoE(nn.Module):
         expert_dtype = autocast_dtype(x_TD) or x_TD.dtype        # what the experts return
         if not self.fp32_combine and expert_dtype in (torch.float16, torch.bfloat16):
             rounded_TK = routing.weight_TK.to(expert_dtype).to(routing.weight_TK.dtype)
-            routing = dataclasses.replace(routing, weight_TK=rounded_TK)
+            routing = routing.with_slots(weight_TK=rounded_TK)
         if self.gate_hook is not None:
             self.gate_hook(routing.expert_idx_TK, routing.weight_TK, None)
         if self.mask_dict is not None:
             masked_TK = routing.expert_idx_TK.masked_fill(self.token_mask(x_TD)[:, None] != 0, -1)
-            routing = dataclasses.replace(routing, expert_idx_TK=masked_TK)
+            routing = routing.with_slots(expert_idx_TK=masked_TK)
         return routing
 
     def token_mask(self, x_TD):

@@ -42,6 +42,13 @@ class Routing:
         if self.num_unrouted is None:
             self.num_unrouted = torch.zeros_like(self.num_dropped)
 
+    def with_slots(self, expert_idx_TK: Optional[torch.Tensor] = None,
+                   weight_TK: Optional[torch.Tensor] = None) -> "Routing":
+        """A copy with new indices or weights (`dataclasses.replace` stops Dynamo before torch 2.5)."""
+        return Routing(self.expert_idx_TK if expert_idx_TK is None else expert_idx_TK,
+                       self.weight_TK if weight_TK is None else weight_TK,
+                       self.aux_loss, self.num_dropped, self.num_unrouted)
+
 
 # Option checks shared by every gate: each names the argument and what was expected.
 
@@ -126,6 +133,10 @@ def keep_at_least_fp32(fn):
     return apply
 
 
+def _defined_in(cls: type, name: str) -> type:
+    return next(k for k in cls.__mro__ if name in k.__dict__)
+
+
 class BaseGate(nn.Module):
     """Base of all gates.
 
@@ -144,6 +155,7 @@ class BaseGate(nn.Module):
     keeps_fp32 = False       # fmoe's own gates keep their parameters at least fp32
     drop_by = "score"        # capacity keeps each expert's best slots; "order" keeps the first ones
     unroute_before_capacity = False
+    _routes_by_forward = False   # set per subclass by __init_subclass__
     # Ranks holding parts of the same tokens (Megatron's sequence-parallel tensor ranks): the balance
     # losses and the z-loss count over all their tokens; set by fmoe.megatron.MegatronMLP.
     token_partition = None
@@ -200,14 +212,19 @@ class BaseGate(nn.Module):
     def _overrides(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(BaseGate, name)
 
-    def _defined_in(self, name: str) -> type:
-        return next(k for k in type(self).__mro__ if name in k.__dict__)
+    def __init_subclass__(cls, **kwargs):
+        # Decided once per class, where the class is defined: Dynamo before torch 2.5 cannot trace
+        # the class `__dict__` lookups in the forward.
+        super().__init_subclass__(**kwargs)
+        forward_cls, route_cls = _defined_in(cls, "forward"), _defined_in(cls, "route")
+        cls._routes_by_forward = (forward_cls is not BaseGate and forward_cls is not route_cls
+                                  and issubclass(forward_cls, route_cls))
 
     def routing(self, x_TD: torch.Tensor) -> Routing:
         """The full routing decision; `FMoE` and every fmoe component call this, never `forward`.
         A FastMoE-style `forward` is used when it is defined below the class that defines `route`
         (a forward-only gate, or FastMoE's pattern of subclassing NaiveGate and overriding forward)."""
-        if self.routes_by_forward():
+        if self._routes_by_forward:
             routing = self._routing_from_forward(x_TD)
         elif not isinstance(x_TD, torch.Tensor):
             raise TypeError(f"{type(self).__name__} routes one tensor of rows [T, d_model], but the input is a "
@@ -220,8 +237,8 @@ class BaseGate(nn.Module):
         return routing
 
     def routes_by_forward(self) -> bool:
-        forward_cls, route_cls = self._defined_in("forward"), self._defined_in("route")
-        return forward_cls is not BaseGate and forward_cls is not route_cls and issubclass(forward_cls, route_cls)
+        """Whether routing() reads a FastMoE-style forward (decided once per class)."""
+        return self._routes_by_forward
 
     def choose(self, choice_TE: torch.Tensor, k: int):
         """The selection step of every gate: (values, indices) of the k best experts of `choice_TE` per

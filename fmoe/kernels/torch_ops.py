@@ -60,8 +60,27 @@ def unpermute_backward(grad_TD, y_ND, weight_TK, token_N, slot_N):
     return grad_y, grad_w.view(weight_TK.shape).to(weight_TK.dtype)
 
 
+_grouped_mm_runs = {}
+
+
+def grouped_mm_runs_on(device_type: str) -> bool:
+    """Whether this torch has a `torch._grouped_mm` kernel for the device type, tried once: torch 2.8
+    has the function but no CPU kernel (grouped GEMMs on the CPU need torch 2.9 or later)."""
+    if device_type not in _grouped_mm_runs:
+        try:
+            x = torch.zeros(4, 4, device=device_type)
+            torch._grouped_mm(x, torch.zeros(1, 4, 4, device=device_type),
+                              offs=torch.tensor([4], dtype=torch.int32, device=device_type))
+            _grouped_mm_runs[device_type] = True
+        except (AttributeError, NotImplementedError, RuntimeError):
+            _grouped_mm_runs[device_type] = False
+    return _grouped_mm_runs[device_type]
+
+
 def _fits_grouped_mm(*tensors) -> bool:
     """torch._grouped_mm wants fp32/bf16 on CPU (bf16 on CUDA from sm90), 16-byte aligned strides."""
+    if tensors[0].is_cpu and not grouped_mm_runs_on("cpu"):
+        return False
     if not hasattr(torch, "_grouped_mm"):
         return False
     for t in tensors:
