@@ -199,7 +199,7 @@ def ensure_allocator():
 
 @functools.lru_cache(maxsize=None)
 def _tuned(mode: str, autotune: bool):
-    return triton.autotune(tma_configs(mode, autotune), key=["I", "O", "GATHER", "W_TRANSPOSED"])(
+    return triton.autotune(tma_configs(mode, autotune), key=["I", "O", "GATHER", "W_TRANSPOSED"], **gmm._TUNING)(
         _grouped_mm_tma_kernel)
 
 
