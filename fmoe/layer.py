@@ -24,7 +24,7 @@ from fmoe.gates import BaseGate, NaiveGate, make_gate
 from fmoe.gates.base import Routing, accepts_keyword, routing_from_fastmoe_gate
 from fmoe.gates.load_state import in_recompute
 from fmoe.last_forward import from_last_forward
-from fmoe.routing import RoutingPlan
+from fmoe.routing import RoutingPlan, check_exchange
 from fmoe.stats import RoutingTally
 
 
@@ -174,7 +174,7 @@ class FMoE(nn.Module):
                                                 else group_size_from_env())
         self.shadow_policy = make_shadow_policy(shadow, d_model, self.experts, num_expert, self.world_size)
         self.shadow_buffers = BufferPool()     # shadowing's flat buffers, kept from step to step
-        self.exchange = dedup.check_exchange(exchange)
+        self.exchange = check_exchange(exchange)
         if self.exchange == "node" and self.schedule:
             raise ValueError("exchange='node' does not run under the smart schedule (schedule=True or "
                              "FMOE_FASTER_SCHEDULE_ENABLE=1), which pipelines one exchange over the ranks: "

@@ -119,6 +119,11 @@ def build_exchange_plan(counts_E: torch.Tensor, world_size: int, group=None,
     )
 
 
+def functional_group(group):
+    """The group as torch's functional (traceable) collectives take it: None is the world."""
+    return dist.group.WORLD if group is None else group
+
+
 class AllToAll(torch.autograd.Function):
     """all_to_all_single with uneven splits; the backward is the reverse exchange. Both count the
     bytes they send in `traffic` (when given) as `kind`, forward or backward."""

@@ -14,8 +14,9 @@
   router logits of a transformers forward (`output_router_logits=True`).
 - Importing this package registers the experts implementation "fmoe" with transformers.
 """
+from fmoe.hf.block import HFMoEBlock, converted_blocks
 from fmoe.hf.callback import BiasUpdateCallback, RoutingStatsCallback
-from fmoe.hf.convert import HFMoEBlock, convert, converted_blocks
+from fmoe.hf.convert import convert
 from fmoe.hf.experts_impl import register_experts_implementation
 from fmoe.hf.export import export
 from fmoe.hf.families import FAMILIES

@@ -5,14 +5,7 @@
     out = model(ids, labels=ids, output_router_logits=True)   # HF's aux loss still works
     fmoe.hf.export(model, path)                            # back to the family's own checkpoint layout
 
-Each block is replaced by an `HFMoEBlock`: an `FMoE` with a `RouterGate` set from the family's
-preset and config, the experts (sliced to this rank's under expert parallelism), the shared
-experts, and `router`, a weightless instance of the family's router class that passes the
-router logits through, so transformers' output capturing (`output_router_logits`) finds them.
-gpt-oss's block returns (hidden_states, router_scores): the converted one returns
-(hidden_states, None), which its decoder layer discards. Input jitter in training (Mixtral,
-PhiMoE, DBRX) is applied once, to a copy: transformers multiplies the hidden states in place
-(PhiMoE twice); it is random either way.
+Each block is replaced by an `HFMoEBlock` (`fmoe.hf.block`).
 """
 import functools
 from dataclasses import dataclass
@@ -23,61 +16,12 @@ import torch.distributed as dist
 from torch import nn
 
 from fmoe.gates.router import RouterGate
-from fmoe.hf.families import BY_BLOCK, BY_NAME, ExpertWeights, Family, find_moe_blocks
+from fmoe.hf.block import HFMoEBlock, converted_blocks, recorder_for  # noqa: F401 (converted_blocks: a public path)
+from fmoe.hf.export import save_pretrained
+from fmoe.hf.families import BY_BLOCK, ExpertWeights, Family, find_moe_blocks
 from fmoe.layer import FMoE, check_world
 
 FMOE_OPTIONS = ("backend", "shadow", "schedule", "schedule_group_size", "recompute")   # go to FMoE; other options to the gate
-
-
-class LogitsRecorder(nn.Module):
-    """Identity on the router logits; subclassed per family with the family's router class, whose
-    instances transformers hooks to record `router_logits`."""
-
-    def __init__(self):
-        nn.Module.__init__(self)
-
-    def forward(self, logits_TE):
-        return logits_TE
-
-    def extra_repr(self):
-        return ""
-
-
-_RECORDERS = {}
-
-
-def recorder_for(router: nn.Module) -> LogitsRecorder:
-    """A LogitsRecorder that is an instance of `router`'s class and carries its forward hooks."""
-    cls = type(router)
-    if cls not in _RECORDERS:
-        _RECORDERS[cls] = type(f"FMoE{cls.__name__}Logits", (LogitsRecorder, cls), {})
-    recorder = _RECORDERS[cls]()
-    # transformers installs its capturing hooks once per model: ones already on the router move over.
-    for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
-        getattr(recorder, hooks).update(getattr(router, hooks))
-    return recorder
-
-
-class HFMoEBlock(nn.Module):
-    """A transformers sparse MoE block run by fmoe (see the module docstring)."""
-
-    def __init__(self, family: str, moe: FMoE, router: LogitsRecorder, input_jitter: float = 0.0):
-        super().__init__()
-        self.family = family
-        self.moe = moe
-        self.router = router
-        self.input_jitter = float(input_jitter or 0.0)
-
-    def forward(self, hidden_states, *args, **kwargs):
-        if self.training and self.input_jitter > 0:
-            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.input_jitter, 1.0 + self.input_jitter)
-            hidden_states = hidden_states * noise
-        y = self.moe(hidden_states)
-        self.router(self.moe.gate.last_logits_TE)
-        return (y, None) if BY_NAME[self.family].returns_router_scores else y
-
-    def extra_repr(self):
-        return f"family={self.family!r}"
 
 
 @dataclass
@@ -190,12 +134,6 @@ def convert(model: nn.Module, ep_size: int = 1, moe_group: Optional[dist.Process
     for plan, new in zip(plans, new_blocks):
         parent, _, child = plan.name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
-    from fmoe.hf.export import save_pretrained      # export imports this module
     # transformers' own would write fmoe's names, which plain from_pretrained initialises at random.
     model.save_pretrained = functools.partial(save_pretrained, model)
     return model
-
-
-def converted_blocks(model: nn.Module):
-    """(name, HFMoEBlock) of every converted block."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, HFMoEBlock)]

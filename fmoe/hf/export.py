@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fmoe.files import UMASK, fsync_dir
-from fmoe.hf.convert import HFMoEBlock, converted_blocks
+from fmoe.hf.block import HFMoEBlock, converted_blocks
 from fmoe.hf.families import BY_NAME, ExpertWeights
 
 

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from fmoe.hf.convert import converted_blocks
+from fmoe.hf.block import converted_blocks
 from fmoe.replay import RoutingTrace
 
 
