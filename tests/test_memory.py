@@ -163,11 +163,12 @@ def test_routed_mlp_gradcheck_float64(act, keep_hidden, sync_free, monkeypatch):
     monkeypatch.setenv("FMOE_SYNC_FREE", "1" if sync_free else "0")
     torch.manual_seed(2)
     spec = fmoe.experts.fused_activation_spec(ACTIVATIONS[act])
-    width1 = 2 * H if act in GATED else H
+    d, h = 4, 4         # small: gradcheck perturbs every weight element
+    width1 = 2 * h if act in GATED else h
     plan = RoutingPlan.build(torch.randint(-1, E, (6, K)), E)
-    leaves = [torch.randn(6, D, dtype=torch.float64), torch.rand(6, K, dtype=torch.float64),
-              torch.randn(E, D, width1, dtype=torch.float64) / 3, torch.randn(E, H, D, dtype=torch.float64) / 3,
-              torch.randn(E, width1, dtype=torch.float64), torch.randn(E, D, dtype=torch.float64)]
+    leaves = [torch.randn(6, d, dtype=torch.float64), torch.rand(6, K, dtype=torch.float64),
+              torch.randn(E, d, width1, dtype=torch.float64) / 2, torch.randn(E, h, d, dtype=torch.float64) / 2,
+              torch.randn(E, width1, dtype=torch.float64), torch.randn(E, d, dtype=torch.float64)]
 
     def layer(x, weight_TK, w1, w2, b1, b2):
         return kernels.routed_mlp(x, plan, weight_TK, spec, w1, w2, b1, b2, keep_hidden=keep_hidden,
