@@ -1,23 +1,18 @@
 """What a module keeps of its last forward inside that forward's graph (the aux loss, the router
-logits), held apart so that `copy.deepcopy(module)` works after a forward: autograd refuses to copy a
-tensor inside a graph, and a copy, like a new module, has run no forward."""
+logits) is left behind by `copy.deepcopy(module)`: autograd refuses to copy a tensor inside a graph,
+and a copy, like a new module, has run no forward. Plain attributes in the forward (a descriptor
+there breaks Dynamo before torch 2.5); the copy is where they are dropped."""
+import copy
 
 
-class LastForward(dict):
+class ForgetsLastForward:
+    """A module mixin: `last_forward_attrs` name the attributes a deep copy sets to None."""
+
+    last_forward_attrs: tuple = ()
+
     def __deepcopy__(self, memo):
-        return LastForward()
-
-
-class from_last_forward:
-    """A module attribute (None until set) held in the module's LastForward."""
-
-    def __set_name__(self, owner, name):
-        self.name = name
-
-    def __get__(self, module, owner=None):
-        if module is None:
-            return self
-        return module.__dict__.get("_last_forward", {}).get(self.name)
-
-    def __set__(self, module, value):
-        module.__dict__.setdefault("_last_forward", LastForward())[self.name] = value
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = None if key in self.last_forward_attrs else copy.deepcopy(value, memo)
+        return new

@@ -23,7 +23,7 @@ from fmoe.fastmoe_state import rename_router, stack_experts
 from fmoe.gates import BaseGate, NaiveGate, make_gate
 from fmoe.gates.base import Routing, accepts_keyword, routing_from_fastmoe_gate
 from fmoe.gates.load_state import in_recompute
-from fmoe.last_forward import from_last_forward
+from fmoe.last_forward import ForgetsLastForward
 from fmoe.routing import RoutingPlan, check_exchange
 from fmoe.stats import RoutingTally
 
@@ -75,7 +75,7 @@ def floating_parameters(module: nn.Module):
             yield from floating_parameters(child)
 
 
-class FMoE(nn.Module):
+class FMoE(ForgetsLastForward, nn.Module):
     """A Mixture-of-Experts layer with FastMoE's constructor.
 
     `num_expert` experts (default 32) live on each of `world_size` ranks. Experts are either
@@ -189,6 +189,7 @@ class FMoE(nn.Module):
                            if self.sync_free and self.exchange == "node" and self.ranks_per_node < self.world_size
                            else None)
         self.gate_hook = gate_hook
+        self.aux_loss = None
         self.last_counts_E = None
         self.last_num_dropped = None
         self.last_num_unrouted = None
@@ -196,7 +197,7 @@ class FMoE(nn.Module):
         self.routing_name = None       # the layer's name in a routing trace, when not its qualified name (fmoe.replay)
         self.sequence_first = False    # a 3-D input is [batch, seq, d_model]; Megatron's is [seq, batch, d_model]
 
-    aux_loss = from_last_forward()
+    last_forward_attrs = ("aux_loss",)
 
     def __setattr__(self, name, value):
         if name == "experts" and isinstance(value, nn.Module):

@@ -17,7 +17,7 @@ from fmoe.autocast import autocast_off
 from fmoe.gates.balance_losses import summed_over
 from fmoe.gates.capacity import drop_over_capacity, expert_capacity
 from fmoe.gates.tape import recorded_choice, replayed_choice
-from fmoe.last_forward import from_last_forward
+from fmoe.last_forward import ForgetsLastForward
 
 CapacityArg = Optional[Union[float, Tuple[float, float]]]
 
@@ -137,7 +137,7 @@ def _defined_in(cls: type, name: str) -> type:
     return next(k for k in cls.__mro__ if name in k.__dict__)
 
 
-class BaseGate(nn.Module):
+class BaseGate(ForgetsLastForward, nn.Module):
     """Base of all gates.
 
     fmoe calls `routing(x_TD) -> Routing`. `forward(x_TD)` returns FastMoE's
@@ -159,8 +159,9 @@ class BaseGate(nn.Module):
     # Ranks holding parts of the same tokens (Megatron's sequence-parallel tensor ranks): the balance
     # losses and the z-loss count over all their tokens; set by fmoe.megatron.MegatronMLP.
     token_partition = None
-    loss = from_last_forward()              # FastMoE's: the aux loss of the last forward
-    last_logits_TE = from_last_forward()
+    loss = None                 # FastMoE's: the aux loss of the last forward
+    last_logits_TE = None
+    last_forward_attrs = ("loss", "last_logits_TE")
     # Router replay (fmoe.replay): "record" or "replay" while fmoe.record_routing / replay_routing is on,
     # the gate's key to its tape there, and during a replayed route() the recorded experts [T, K].
     routing_mode = None
