@@ -66,7 +66,7 @@ test-megatron-parallel: setup
 
 # Every Triton kernel compiled for sm_80 and sm_90 (no GPU needed): registers, spills, shared memory.
 aot: setup
-	env -u TRITON_INTERPRET $(BIN)/python -m fmoe.kernels.aot --jobs 2
+	env -u TRITON_INTERPRET $(BIN)/python -m fmoe.tools.aot --jobs 2
 
 # megatron-core >= 0.17 declares Python >= 3.12 and ships cp312 wheels only, yet its Python code runs on 3.11
 # (its one compiled module serves Megatron's datasets, which fmoe does not use). So the wheel is unpacked into

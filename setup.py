@@ -21,5 +21,5 @@ setup(
         "megatron": ["megatron-core==0.16.1"],
         "bench": ["triton>=3.0"],
     },
-    entry_points={"console_scripts": ["fmoe=fmoe.cli:main"]},
+    entry_points={"console_scripts": ["fmoe=fmoe.app.cli:main"]},
 )

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe  # noqa: E402
 from common import machine, time_call  # noqa: E402
-from fmoe.files import write_json  # noqa: E402
+from fmoe.app.files import write_json  # noqa: E402
 
 
 def main(argv=None):

@@ -29,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe  # noqa: E402
 from common import machine, run_on_ranks  # noqa: E402
-from fmoe.files import write_json  # noqa: E402
+from fmoe.app.files import write_json  # noqa: E402
 from fmoe.gates import RouterGate  # noqa: E402
 
 NODES_AT_8 = 2          # EP 8 runs as 2 nodes of 4

@@ -23,11 +23,11 @@ import transformers
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fmoe.hf  # noqa: E402
-from fmoe import cpu_memory  # noqa: E402
+import fmoe.integrations.hf  # noqa: E402
+from fmoe.observe import cpu_memory  # noqa: E402
 from common import machine, time_interleaved  # noqa: E402
-from fmoe.hf.families import find_moe_blocks  # noqa: E402
-from fmoe.files import write_json  # noqa: E402
+from fmoe.app.files import write_json  # noqa: E402
+from fmoe.integrations.hf.families import find_moe_blocks  # noqa: E402
 
 
 def block_config(family: str, D: int):
@@ -54,7 +54,7 @@ def blocks(family: str, D: int):
             t.copy_(torch.randn(t.shape) * (0.5 if "gate.weight" in name else 0.02))
     holder = nn.Module()
     holder.config, holder.block = config, copy.deepcopy(block)
-    fmoe_block = fmoe.hf.convert(holder).block
+    fmoe_block = fmoe.integrations.hf.convert(holder).block
     eager = copy.deepcopy(block)
     block.experts.config._experts_implementation = "grouped_mm"
     eager.experts.config._experts_implementation = "eager"
@@ -104,7 +104,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--families", nargs="+", default=["mixtral", "qwen3_moe", "deepseek_v3"])
     p.add_argument("--keep-freed-memory", action="store_true",
-                   help="malloc keeps freed blocks (fmoe.cpu_memory), for all competitors alike")
+                   help="malloc keeps freed blocks (fmoe.observe.cpu_memory), for all competitors alike")
     p.add_argument("--out", required=True, help="JSON file for the results")
     args = p.parse_args(argv)
     if args.keep_freed_memory:

@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe  # noqa: E402
 from common import RESULTS, RoundRobinGate, SwiGLU, machine  # noqa: E402
 from fmoe import kernels  # noqa: E402
+from fmoe.app.files import write_json  # noqa: E402
 from fmoe.kernels.triton_grouped_mm import _grouped_mm_kernel, _launcher, interpreting  # noqa: E402
 from fmoe.routing import RoutingPlan  # noqa: E402
-from fmoe.files import write_json  # noqa: E402
 
 # (name, tokens T, top-k K, d_model D, expert hidden F, experts E): the models' expert layers.
 MODELS = [("qwen3_30b_a3b", 32768, 8, 2048, 768, 128), ("mixtral_8x7b", 8192, 2, 4096, 14336, 8),

@@ -1,6 +1,6 @@
 """Where each byte goes: every kernel a bf16 MoE layer's forward+backward launches, side by side (not a test).
 
-Counted on the CPU with `fmoe.launches` (Triton kernels in Triton's interpreter, their bytes the
+Counted on the CPU with `fmoe.observe.launches` (Triton kernels in Triton's interpreter, their bytes the
 distinct addresses they load and store; torch ops by dispatch, each reading its inputs and writing
 its outputs whole), for fmoe's layer in each recompute mode on the Triton path and transformers'
 Qwen3-MoE block with its `grouped_mm` experts, at the Qwen3-30B-A3B expert shape with every width
@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fmoe  # noqa: E402
 from bench_memory import hf_block  # noqa: E402
-from fmoe.files import write_json  # noqa: E402
-from fmoe.launches import count_launches  # noqa: E402
+from fmoe.app.files import write_json  # noqa: E402
+from fmoe.observe.launches import count_launches  # noqa: E402
 
 MODES = ("activation", "experts", "none")
 

@@ -1,7 +1,7 @@
 """Activation memory of fmoe's recompute modes beside HF transformers, DeepSpeed-MoE and a dense FFN (not a test).
 
 For each published expert shape (token count and widths scaled to fit a CPU): the bytes a forward
-keeps for its backward (fmoe.memory, exact, parameters left out), the peak of a forward + backward
+keeps for its backward (fmoe.observe.memory, exact, parameters left out), the peak of a forward + backward
 beyond what was allocated before it (gradients set to None first, as optimizer.zero_grad() does),
 the transient part of that peak (peak - saved - the gradients themselves), and the fwd+bwd time, for
 
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fmoe  # noqa: E402
 from common import SwiGLU, time_interleaved  # noqa: E402
-from fmoe.files import write_json  # noqa: E402
-from fmoe.memory import peak_bytes, saved_bytes  # noqa: E402
+from fmoe.app.files import write_json  # noqa: E402
+from fmoe.observe.memory import peak_bytes, saved_bytes  # noqa: E402
 
 # (name, d_model, expert hidden, experts, top-k): the published expert shapes, scaled by --scale.
 SHAPES = [("qwen3-30b-a3b", 2048, 768, 128, 8), ("mixtral-8x7b", 4096, 14336, 8, 2),

@@ -12,7 +12,7 @@ the last `--static-window` steps are replicated for the next ones); and the hott
 always shadowed. `ideal_speedup` is the busiest rank's rows before over after free shadowing,
 from the measured counts; `balanced_bound_speedup` is the shadowing-off step over the balanced
 (uniform) step scaled to the busiest rank's rows after free shadowing: the ideal once the step's
-fixed costs are counted. Every case's variants and the calibration's probes (fmoe.calibration)
+fixed costs are counted. Every case's variants and the calibration's probes (fmoe.perf.calibration)
 take turns step by step; the probes' fit is the run's `model`, which `fmoe simulate --compare`
 predicts the steps with; the dynamic policy uses constants calibrated before the first step
 (`policy_model`). Writes JSON only with `--out` (the committed
@@ -30,14 +30,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fmoe  # noqa: E402
-from fmoe import cpu_memory  # noqa: E402
+from fmoe.observe import cpu_memory  # noqa: E402
 from common import machine, run_on_ranks  # noqa: E402
+from fmoe.app.files import write_json  # noqa: E402
 from fmoe.distributed.shadow import ShadowPolicy  # noqa: E402
 from fmoe.gates.base import BaseGate, LinearRouter  # noqa: E402
-from fmoe.calibration import Calibration, calibrate, time_in_turns  # noqa: E402
-from fmoe.perfmodel import PerfModel  # noqa: E402
-from fmoe.simulate import constants_of, describe, expert_shares  # noqa: E402
-from fmoe.files import write_json  # noqa: E402
+from fmoe.perf.calibration import Calibration, calibrate, time_in_turns  # noqa: E402
+from fmoe.perf.perfmodel import PerfModel  # noqa: E402
+from fmoe.perf.simulate import constants_of, describe, expert_shares  # noqa: E402
 
 CASES = {"uniform": "uniform", "half_to_one_expert": "hot:0.5", "eighty_to_one_expert": "hot:0.8"}
 VARIANTS = ("off", "dynamic", "static", "forced")
@@ -191,7 +191,8 @@ def main(argv=None):
     p.add_argument("--extra", nargs="*", default=[],
                    help="more distributions (hot:P, zipf:S), e.g. for `fmoe simulate --compare`")
     p.add_argument("--keep-freed-memory", action="store_true",
-                   help="each rank's malloc keeps freed blocks (fmoe.cpu_memory): no page faults per fresh tensor")
+                   help="each rank's malloc keeps freed blocks (fmoe.observe.cpu_memory): no page faults per fresh "
+                        "tensor")
     p.add_argument("--out", help="write the results as JSON here (e.g. benchmarks/results/shadow-cpu.json)")
     args = p.parse_args(argv)
     for d in args.extra:

@@ -33,8 +33,8 @@ if not torch.cuda.is_available():
 
 import fmoe  # noqa: E402
 from bench_memory import hf_block  # noqa: E402
-from fmoe.files import write_json  # noqa: E402
-from fmoe.memory import peak_bytes  # noqa: E402
+from fmoe.app.files import write_json  # noqa: E402
+from fmoe.observe.memory import peak_bytes  # noqa: E402
 
 # (name, d_model, expert hidden, experts, top-k, tokens)
 SHAPES = [("qwen3_30b_a3b", 2048, 768, 128, 8, 16384), ("olmoe", 2048, 1024, 64, 8, 16384),
@@ -48,7 +48,7 @@ GEMM_MARKS = ("grouped_mm", "up_act", "act_grad", "weight_grad", "gemm", "cutlas
 
 def layers(d, n, E, K, device, dtype):
     """{name: module}: fmoe's modes, and the HF block with grouped_mm and with fmoe experts (same weights)."""
-    from fmoe.hf.experts_impl import register_experts_implementation
+    from fmoe.integrations.hf.experts_impl import register_experts_implementation
     out = {}
     for mode in MODES:
         torch.manual_seed(0)

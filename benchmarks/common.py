@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from fmoe.app.files import write_json as write_json_atomic
 from fmoe.gates.round_robin import RoundRobinGate  # noqa: F401  (the benchmarks import it from here)
-from fmoe.files import write_json as write_json_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

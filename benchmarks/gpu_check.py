@@ -38,7 +38,7 @@ import bench_kernels  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_versus_hf  # noqa: E402
 from common import machine  # noqa: E402
-from fmoe.files import write_json  # noqa: E402
+from fmoe.app.files import write_json  # noqa: E402
 
 AOT_REPORT = HERE / "results" / "kernels-aot.json"
 # Activation memory at Qwen3-30B-A3B's expert shape (full width, 8192 tokens), bf16.
@@ -103,7 +103,8 @@ def real_resources(deadline: float, dtype=torch.bfloat16, shape=None, device: st
     """For each launch of the AOT report (bf16, its pinned config), the kernel compiled by the Triton here
     and loaded on this GPU: registers, spill bytes and shared memory as the driver reports them. Stops
     at time.perf_counter() `deadline`, the rows so far returned."""
-    from fmoe.kernels import aot, triton_grouped_mm as gmm, triton_grouped_mm_tma as tma
+    from fmoe.kernels import triton_grouped_mm as gmm, triton_grouped_mm_tma as tma
+    from fmoe.tools import aot
 
     major, minor = torch.cuda.get_device_capability()
     generation = gmm.generation_of(major)
@@ -153,7 +154,7 @@ def aot_vs_real(quick: bool, seconds: float = 30) -> dict:
                 "rows": compare_with_aot(real, aot_doc["rows"], "sm_90")}
     import triton
     major, minor = torch.cuda.get_device_capability()
-    from fmoe.kernels import aot
+    from fmoe.tools import aot
     launches = len(aot.launches(torch.bfloat16, target=10 * major + minor))
     rows = compare_with_aot(real_resources(time.perf_counter() + seconds), aot_doc["rows"], f"sm_{major}{minor}")
     matched = [r for r in rows if r["aot"]]

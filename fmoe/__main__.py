@@ -1,6 +1,6 @@
 """`python -m fmoe` is the `fmoe` command."""
 import sys
 
-from fmoe.cli import main
+from fmoe.app.cli import main
 
 sys.exit(main())

@@ -633,7 +633,7 @@ def check_expert_parallel_keeps_received_rows_once(rank, world):
     """recompute="activation" across ranks: the floats kept are x (the gate's input), the gate's
     top-k scores, and of the rows this rank received (once) the rows, their pre-activation and
     their routing weights; nothing per sent slot (no T*K*D tensor on the sending side)."""
-    from fmoe.memory import saved_bytes
+    from fmoe.observe.memory import saved_bytes
     e, top_k = 2, 2
     _, ep = build_pair("naive", top_k, e, world, rank, activation="swiglu")
     T = 6 + 3 * rank                     # unequal tokens: received and sent rows differ in number

@@ -381,7 +381,7 @@ def check_megatron_rank_exchange_equals_slot(rank, world):
     DDP and Adam: exchange="rank" gives the losses and parameters of exchange="slot"."""
     from megatron.core import parallel_state
 
-    from fmoe.megatron import training
+    from fmoe.integrations.megatron import training
     from tests.test_megatron import batch, gpt
 
     runs = []

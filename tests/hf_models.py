@@ -1,4 +1,4 @@
-"""Tiny transformers MoE models, one per family fmoe.hf converts (random weights, nothing downloaded)."""
+"""Tiny transformers MoE models, one per family fmoe.integrations.hf converts (random weights, nothing downloaded)."""
 import torch
 import transformers
 

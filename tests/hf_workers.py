@@ -1,10 +1,10 @@
-"""Rank bodies for the EP tests of fmoe.hf (run by tests.dist_utils.run_ranks)."""
+"""Rank bodies for the EP tests of fmoe.integrations.hf (run by tests.dist_utils.run_ranks)."""
 import copy
 
 import torch
 import transformers
 
-import fmoe.hf
+import fmoe.integrations.hf
 from tests.hf_models import tiny, tokens
 from tests.test_hf_convert import TOL, hf_named_grads
 
@@ -19,8 +19,8 @@ def check_family_ep(rank, world_size, family, folder):
     """Both ranks feed the same batch: logits equal transformers' own; each expert's gradient is the
     sum over the two ranks' tokens (2x one process), every other gradient one process's."""
     model = tiny(family)
-    converted = fmoe.hf.convert(copy.deepcopy(model), ep_size=world_size)
-    for _, block in fmoe.hf.converted_blocks(converted):
+    converted = fmoe.integrations.hf.convert(copy.deepcopy(model), ep_size=world_size)
+    for _, block in fmoe.integrations.hf.converted_blocks(converted):
         assert block.moe.experts.w1_eDF.shape[0] * world_size == block.moe.tot_expert
     ids = tokens()
     kwargs = {"output_router_logits": True} if hasattr(model.config, "output_router_logits") else {}
@@ -36,7 +36,7 @@ def check_family_ep(rank, world_size, family, folder):
             continue
         scale = world_size if ".experts." in name else 1
         torch.testing.assert_close(got_grads[name], scale * p.grad, **TOL, msg=lambda m: f"{name}: {m}")
-    fmoe.hf.export(converted, folder)           # gathered from both ranks, written by rank 0
+    fmoe.integrations.hf.export(converted, folder)           # gathered from both ranks, written by rank 0
     converted.save_pretrained(f"{folder}-saved")        # the same, through transformers' own save
     if rank == 0:
         for written in (folder, f"{folder}-saved"):
@@ -46,12 +46,12 @@ def check_family_ep(rank, world_size, family, folder):
 
 
 def check_load_takes_turns(rank, world_size, folder, log_folder):
-    """fmoe.hf.load at ep_size=2: the ranks read the checkpoint one after the other (their reads
+    """fmoe.integrations.hf.load at ep_size=2: the ranks read the checkpoint one after the other (their reads
     never overlap), each keeps half of every block's experts, and the logits equal transformers'."""
     import json
     import time
 
-    import fmoe.hf.loading as load_module
+    import fmoe.integrations.hf.loading as load_module
     read = load_module._read
 
     def timed_read(*args):
@@ -63,9 +63,9 @@ def check_load_takes_turns(rank, world_size, folder, log_folder):
         return model
 
     load_module._read = timed_read
-    model = fmoe.hf.load(folder, ep_size=world_size)
+    model = fmoe.integrations.hf.load(folder, ep_size=world_size)
     load_module._read = read
-    blocks = fmoe.hf.converted_blocks(model)
+    blocks = fmoe.integrations.hf.converted_blocks(model)
     assert blocks
     for _, block in blocks:
         assert block.moe.experts.w1_eDF.shape[0] * world_size == block.moe.tot_expert

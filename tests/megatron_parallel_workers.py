@@ -12,7 +12,7 @@ import torch
 
 VOCAB, SEQ, HIDDEN, FFN, EXPERTS, LAYERS = 64, 32, 32, 64, 4, 4
 MICRO_ROWS, GLOBAL_MICROBATCHES, STEPS = 2, 4, 3
-# Megatron-Core router options, each routed by fmoe's gate="megatron" (fmoe.megatron.router) and by
+# Megatron-Core router options, each routed by fmoe's gate="megatron" (fmoe.integrations.megatron.router) and by
 # Megatron's TopKRouter. The layouts train "deepseek": sigmoid scores, group-limited, scaled, an expert
 # bias moved once per global batch, the sequence-wise balance loss and the z-loss.
 ROUTINGS = {
@@ -62,7 +62,7 @@ def batch(step: int, micro: int):
 def gpt_config(routing: str):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from fmoe.megatron import training
+    from fmoe.integrations.megatron import training
 
     return TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=FFN,
                              num_moe_experts=EXPERTS, moe_ffn_hidden_size=FFN, moe_router_topk=2,
@@ -77,7 +77,7 @@ def build_gpt(routing: str = "deepseek", megatron_moe: bool = False, shadow: boo
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from fmoe.megatron import get_gpt_layer_with_fmoe_spec, training
+    from fmoe.integrations.megatron import get_gpt_layer_with_fmoe_spec, training
 
     config = gpt_config(routing)
     if megatron_moe:
@@ -136,7 +136,7 @@ def bias_moves(chunks) -> list:
 def train(model, optimizer, steps=range(STEPS), save_after: Optional[tuple] = None) -> dict:
     """The steps; each step's loss, how far each bias entry moved, what Megatron's MoE tracker logged.
     `save_after` (step, folder): a checkpoint after that many steps."""
-    from fmoe.megatron import training
+    from fmoe.integrations.megatron import training
 
     losses, biases_moved, logged = [], [], []
     for step in steps:
@@ -169,7 +169,7 @@ def count_shadow_rows(chunks) -> list:
 def start(name: str):
     from megatron.core import parallel_state
 
-    from fmoe.megatron import training
+    from fmoe.integrations.megatron import training
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -182,7 +182,7 @@ def run_layout(name: str, out_dir: str, init_ckpt: Optional[str], routings=("dee
     and Megatron's MoE from the initial weights. Rank 0 writes the results."""
     import torch.distributed as dist
 
-    from fmoe.megatron import training
+    from fmoe.integrations.megatron import training
 
     start(name)
     model, optimizer = training.wrap(build_gpt(shadow=name.endswith("_shadow")), lr=1e-2)
@@ -224,7 +224,7 @@ def run_resumed(name: str, source: str, out_dir: str):
     after RESUME_AT steps, and trains the remaining steps."""
     import torch.distributed as dist
 
-    from fmoe.megatron import training
+    from fmoe.integrations.megatron import training
 
     start(name)
     model, optimizer = training.wrap(build_gpt(), lr=1e-2)
@@ -251,7 +251,7 @@ def worker(rank, world_size, out_dir, names, init_ckpt, routings=("deepseek",)):
 
 def bad_layout_worker(rank, world_size, out_dir):
     """Every rank calls initialize with layouts that cannot work (2 ranks) and writes the errors."""
-    from fmoe.megatron import training
+    from fmoe.integrations.megatron import training
 
     errors = {}
     for name, kwargs in {"experts": dict(expert_parallel_size=2, num_experts=3, num_layers=4),

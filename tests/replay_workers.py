@@ -58,8 +58,8 @@ def check_megatron_stage_names():
     stage (local index 0, global layer 3) find their entries in a whole model's trace."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from fmoe.megatron import training
-    from fmoe.megatron.mlp import MegatronMLP
+    from fmoe.integrations.megatron import training
+    from fmoe.integrations.megatron.mlp import MegatronMLP
 
     training.initialize(1, 1, seed=0)          # the 2 ranks are data-parallel replicas
     config = TransformerConfig(num_layers=4, hidden_size=D, num_attention_heads=2, ffn_hidden_size=16,

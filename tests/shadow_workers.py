@@ -5,7 +5,7 @@ from torch import nn
 
 import fmoe
 from fmoe.distributed.shadow import ShadowPolicy
-from fmoe.perfmodel import PerfModel
+from fmoe.perf.perfmodel import PerfModel
 
 D, H = 8, 16
 
@@ -160,7 +160,7 @@ def check_deepspeed_shadowing_equals_off(rank, world):
     """DeepSpeed ZeRO 0 and 2 (ep = world): two steps with shadowing equal two without, in outputs,
     gradients (ZeRO 0) and parameters."""
     import deepspeed
-    import fmoe.deepspeed as fds
+    import fmoe.integrations.deepspeed as fds
     groups = fds.setup_expert_parallel(world)
     hot = [0, 2 * world - 1]
     for stage in (0, 2):
@@ -198,7 +198,7 @@ def check_megatron_shadowing_equals_off(rank, world):
     in losses, grad norms, every gradient of the last step and every parameter after it."""
     from megatron.core import parallel_state
 
-    from fmoe.megatron import training
+    from fmoe.integrations.megatron import training
     from tests.test_megatron import EXPERTS, batch, gpt
 
     runs = []
@@ -266,8 +266,8 @@ def check_calibration_measures_every_constant_alike_on_all_ranks(rank, world):
     """calibrate() on real ranks: every constant measured, finite, and the same on every rank."""
     import math
 
-    from fmoe.calibration import calibrate
-    from fmoe.simulate import CONSTANTS
+    from fmoe.perf.calibration import calibrate
+    from fmoe.perf.simulate import CONSTANTS
     model = calibrate(PerfModel(64, 256), size=256, reps=3, tokens=128)
     values = [getattr(model, name) for name in CONSTANTS if name != "expert_seconds"]
     assert all(v is not None and math.isfinite(v) and v >= 0 for v in values), dict(zip(CONSTANTS, values))
@@ -323,7 +323,7 @@ def check_kept_buffers_are_reused_and_never_shared(rank, world):
 def check_fit_times_takes_shadowings_cost_round_by_round(rank, world):
     """fit_times on real ranks: the probes' medians, and shadowing's added time from the on/off
     differences of each round, not from the difference of their medians."""
-    from fmoe.calibration import Calibration, medians, paired_difference
+    from fmoe.perf.calibration import Calibration, medians, paired_difference
     calibration = Calibration(PerfModel(64, 256), size=256, tokens=128)
     times = {name: [0.01 * (i + 1)] * 9 for i, name in enumerate(calibration.probes())}
     # Rounds 5-8 ran 30% slow; the unshadowed step of round 4 met a spike.

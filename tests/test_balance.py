@@ -397,17 +397,17 @@ def test_fmoe_train_moves_the_bias_once_per_step(tmp_path, monkeypatch):
 def test_hf_trainer_callback_moves_the_bias_once_per_optimizer_step(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
-    import fmoe.hf
+    import fmoe.integrations.hf
     from tests import hf_models
     calls = counting_end_step(monkeypatch)
     torch.manual_seed(0)
-    model = fmoe.hf.convert(transformers.AutoModelForCausalLM.from_config(hf_models.config("qwen3_moe")),
+    model = fmoe.integrations.hf.convert(transformers.AutoModelForCausalLM.from_config(hf_models.config("qwen3_moe")),
                             selection_bias="updated")
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(1, hf_models.VOCAB, (8, 16))]
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
                                           gradient_accumulation_steps=2, report_to=[], save_strategy="no",
                                           use_cpu=True, disable_tqdm=True, learning_rate=1e-3)
     transformers.Trainer(model=model, args=args, train_dataset=data,
-                         callbacks=[fmoe.hf.BiasUpdateCallback()]).train()
+                         callbacks=[fmoe.integrations.hf.BiasUpdateCallback()]).train()
     assert len(calls) == 2
     assert any(g.e_score_correction_bias.any() for g in model.modules() if hasattr(g, "e_score_correction_bias"))

@@ -8,8 +8,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import fmoe
-from fmoe.cli import main
-from fmoe.convert import MEGATRON_FILE, convert, read, single_process
+from fmoe.app.cli import main
+from fmoe.app.convert import MEGATRON_FILE, convert, read, single_process
 from fmoe.distributed.checkpoint import save_checkpoint
 
 D, H, EXPERTS = 8, 12, 4

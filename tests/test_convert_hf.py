@@ -6,9 +6,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-import fmoe.hf
-from fmoe.cli import main
-from fmoe.convert import convert, single_process
+import fmoe.integrations.hf
+from fmoe.app.cli import main
+from fmoe.app.convert import convert, single_process
 from fmoe.distributed.checkpoint import load_checkpoint, save_checkpoint
 from tests.dist_utils import run_ranks
 from tests.hf_models import tiny, tokens
@@ -27,9 +27,9 @@ def assert_same(before: dict, after: dict):
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "gpt_oss"])
 def hf_model(request, tmp_path_factory):
-    """A tiny HF model folder in its family's layout, as fmoe.hf.export writes it."""
+    """A tiny HF model folder in its family's layout, as fmoe.integrations.hf.export writes it."""
     path = tmp_path_factory.mktemp(request.param) / "hf"
-    fmoe.hf.export(fmoe.hf.convert(tiny(request.param)), path)
+    fmoe.integrations.hf.export(fmoe.integrations.hf.convert(tiny(request.param)), path)
     return request.param, path
 
 
@@ -43,15 +43,15 @@ def test_hf_round_trips_through_fmoe_and_megatron_exactly(hf_model, tmp_path):
     convert(str(tmp_path / "mcore"), str(tmp_path / "back"), "hf")
     assert_same(hf_tensors(hf), hf_tensors(tmp_path / "back"))
     # What HF -> fmoe wrote loads into the converted model at EP 1 and computes the same.
-    model = fmoe.hf.convert(tiny(family, seed=5))
+    model = fmoe.integrations.hf.convert(tiny(family, seed=5))
     load_checkpoint(str(tmp_path / "fmoe"), model)
     ids = tokens()
-    assert torch.equal(model(ids).logits, fmoe.hf.convert(tiny(family))(ids).logits)
+    assert torch.equal(model(ids).logits, fmoe.integrations.hf.convert(tiny(family))(ids).logits)
 
 
 def test_fmoe_round_trips_through_hf_exactly(hf_model, tmp_path):
     family, hf = hf_model
-    model = fmoe.hf.convert(tiny(family, seed=3))
+    model = fmoe.integrations.hf.convert(tiny(family, seed=3))
     save_checkpoint(str(tmp_path / "fmoe"), model)
     assert main(["convert", str(tmp_path / "fmoe"), str(tmp_path / "hf"), "--to", "hf", "--hf-config", str(hf)]) == 0
     convert(str(tmp_path / "hf"), str(tmp_path / "back"), "fmoe")
@@ -77,14 +77,14 @@ def test_a_missing_expert_tensor_is_an_error(hf_model, tmp_path):
 
 
 def test_to_hf_needs_the_hf_config(tmp_path):
-    model = fmoe.hf.convert(tiny("qwen3_moe"))
+    model = fmoe.integrations.hf.convert(tiny("qwen3_moe"))
     save_checkpoint(str(tmp_path / "fmoe"), model)
     with pytest.raises(ValueError, match="--to hf needs the model's HF config: pass --hf-config"):
         convert(str(tmp_path / "fmoe"), str(tmp_path / "hf"), "hf")
 
 
 def save_from_two_ranks(rank, world, path):
-    model = fmoe.hf.convert(tiny("qwen3_moe"), ep_size=2)     # each rank holds 2 of every layer's 4 experts
+    model = fmoe.integrations.hf.convert(tiny("qwen3_moe"), ep_size=2)  # each rank holds 2 of every layer's 4 experts
     save_checkpoint(path, model)
 
 
@@ -97,6 +97,6 @@ def test_a_two_rank_expert_parallel_checkpoint_converts_to_megatron_and_back(tmp
         assert_same(model_tensors(src), model_tensors(str(tmp_path / f"back{ep_size}")))
     # And to HF: the same tensors as the single-process model's export.
     hf = tmp_path / "hf"
-    fmoe.hf.export(fmoe.hf.convert(tiny("qwen3_moe")), hf)
+    fmoe.integrations.hf.export(fmoe.integrations.hf.convert(tiny("qwen3_moe")), hf)
     convert(src, str(tmp_path / "from_ep2"), "hf", hf_config=str(hf))
     assert_same(hf_tensors(hf), hf_tensors(tmp_path / "from_ep2"))

@@ -1,4 +1,4 @@
-"""fmoe.cpu_memory: after keep_freed_memory() glibc serves a large block from its heap (where a
+"""fmoe.observe.cpu_memory: after keep_freed_memory() glibc serves a large block from its heap (where a
 freed one is kept for the next), not from a mapping of its own that free hands back to the
 kernel. Each case runs in a fresh process: the setting is process-wide."""
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fmoe import cpu_memory
+from fmoe.observe import cpu_memory
 
 pytestmark = pytest.mark.skipif(not cpu_memory.available(), reason="needs glibc's malloc")
 
@@ -44,6 +44,6 @@ def test_fmoe_train_keeps_freed_memory_when_asked(tmp_path):
     args = ["train", "--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "16", "--num-expert", "2",
             "--d-hidden", "32", "--batch-size", "2", "--steps", "2", "--data", str(corpus), "--out",
             str(tmp_path / "run"), "--no-progress"]
-    train = "import sys\nfrom fmoe.cli import main\nassert main(sys.argv[1:]) in (None, 0)\n"
+    train = "import sys\nfrom fmoe.app.cli import main\nassert main(sys.argv[1:]) in (None, 0)\n"
     assert placement(train, *args, "--keep-freed-memory") == "heap"
     assert placement(train, *args) == "mapped"

@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fmoe  # noqa: E402
-import fmoe.deepspeed as fds  # noqa: E402
+import fmoe.integrations.deepspeed as fds  # noqa: E402
 from fmoe.distributed.ddp import DistributedGroupedDataParallel  # noqa: E402
 from fmoe.distributed.groups import ParallelGroups  # noqa: E402
 from tests.dist_utils import exit_without_teardown, free_port  # noqa: E402
@@ -161,7 +161,7 @@ def test_clear_errors():
 
 def test_example_runs_under_the_launcher(tmp_path):
     """examples/deepspeed/train.py on 2 CPU ranks (ep 2, ZeRO 2); its checkpoint loads into one process."""
-    gpt = pytest.importorskip("fmoe.gpt")
+    gpt = pytest.importorskip("fmoe.app.gpt")
     from fmoe.distributed.checkpoint import load_checkpoint
 
     root = Path(__file__).resolve().parents[1]

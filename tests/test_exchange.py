@@ -83,8 +83,8 @@ def test_sync_free_layer_compiles_with_fullgraph(exchange, per_node):
 
 def test_perfmodel_reads_the_deduplicated_rows():
     import torch
-    from fmoe.perfmodel import PerfModel, dedup_row_share
-    from fmoe.simulate import simulate_one
+    from fmoe.perf.perfmodel import PerfModel, dedup_row_share
+    from fmoe.perf.simulate import simulate_one
     uniform = torch.full((128,), 1 / 128, dtype=torch.double)
     assert torch.equal(dedup_row_share(uniform, 1, 8), torch.ones(8, dtype=torch.double))     # top-1: no repeats
     # Qwen3-30B-A3B's layout: 128 experts on 8 ranks, top-8 (8 distinct experts) reaches

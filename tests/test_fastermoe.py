@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fmoe.perfmodel import PerfModel
+from fmoe.perf.perfmodel import PerfModel
 from tests import shadow_workers
 from tests.dist_utils import run_ranks
 
@@ -39,7 +39,7 @@ def test_fixed_costs_and_separate_pull_push_bandwidths_by_hand():
 
 
 def test_probes_take_turns_after_their_warmup():
-    from fmoe.calibration import time_in_turns
+    from fmoe.perf.calibration import time_in_turns
     order = []
     steps = {name: (lambda name=name: order.append(name)) for name in "abc"}
     times = time_in_turns(steps, reps=4, warmup=1)
@@ -67,7 +67,7 @@ def test_expert_curve_sums_each_workers_experts_at_their_rows_by_hand():
 
 
 def test_calibration_fit_recovers_the_expert_curve_the_steps_were_made_of():
-    from fmoe.calibration import Calibration, expert_levels
+    from fmoe.perf.calibration import Calibration, expert_levels
     calibration = Calibration(PerfModel(64, 256), size=256, num_expert=4)
     assert calibration.levels == expert_levels(256, 4) == [(16, 4), (64, 4), (256, 1), (512, 1)]
 
@@ -94,7 +94,7 @@ def test_calibration_on_two_ranks_measures_every_constant():
 
 
 def test_paired_difference_is_the_median_of_round_by_round_differences_by_hand():
-    from fmoe.calibration import paired_difference
+    from fmoe.perf.calibration import paired_difference
     # Rounds 4-5 ran slow for both and round 3's first step met a spike: the medians' difference
     # would say 2.0 - 1.0 = 1.0.
     assert paired_difference([1.2, 1.2, 2.0, 2.2, 2.2], [1.0, 1.0, 1.0, 2.0, 2.0]) == pytest.approx(0.2)
@@ -144,7 +144,7 @@ def test_scheduling_equals_plain_expert_parallelism(world):
 
 
 def test_schedule_model_hand_values():
-    from fmoe.perfmodel import pipeline_time
+    from fmoe.perf.perfmodel import pipeline_time
     assert pipeline_time([1.0, 2.0, 1.0], 1) == 4.0
     assert pipeline_time([1.0, 2.0, 1.0], 4) == pytest.approx(4 / 4 + 3 * 2 / 4)
     m = PerfModel(d_model=4, d_hidden=8, flops=100.0, net_bandwidth=10.0, bytes_per_element=1)
@@ -158,7 +158,7 @@ def test_schedule_model_hand_values():
 
 def test_simulate_writes_table_json_and_plot(tmp_path, capsys):
     import json
-    from fmoe import simulate
+    from fmoe.perf import simulate
     simulate.main(["--gpus", "8", "64", "--dist", "uniform", "zipf:1.2", "hot:0.5", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "simulate.json").read_text())
     rows = {(r["distribution"], r["gpus"]): r for r in data["results"]}
@@ -172,7 +172,7 @@ def test_simulate_writes_table_json_and_plot(tmp_path, capsys):
 
 
 def test_noise_ceiling_is_the_share_of_variance_between_same_work_variants_by_hand():
-    from fmoe.simulate import noise_ceiling
+    from fmoe.perf.simulate import noise_ceiling
     points = [{"case": "hot", "shadowed": [], "measured_s": 1.0},
               {"case": "hot", "shadowed": [0], "measured_s": 2.0},
               {"case": "hot", "shadowed": [0], "measured_s": 2.2},       # the same work as the one above
@@ -184,7 +184,7 @@ def test_noise_ceiling_is_the_share_of_variance_between_same_work_variants_by_ha
 
 def test_simulate_compares_with_a_bench_run_and_sets_paper_clusters(tmp_path, capsys):
     import json
-    from fmoe import simulate
+    from fmoe.perf import simulate
     model = PerfModel(32, 64, flops=1e9, net_bandwidth=1e8)
     counts = {"uniform": [[8, 8, 8, 8], [8, 8, 8, 8]], "hot": [[20, 4, 4, 4], [20, 4, 4, 4]]}
     results = {}

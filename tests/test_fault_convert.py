@@ -9,15 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-import fmoe.hf
-from fmoe import checkpoints, files
-from fmoe.cli import main
-from fmoe.convert import LATEST, MEGATRON_FILE, convert
+import fmoe.integrations.hf
+from fmoe.app import checkpoints, files
+from fmoe.app.cli import main
+from fmoe.app.convert import LATEST, MEGATRON_FILE, convert
+from fmoe.app.files import save_torch
 from fmoe.distributed.checkpoint import save_checkpoint
-from fmoe.files import save_torch
+from tests.fs_utils import in_user_namespace, needs_tmpfs
 from tests.hf_models import tiny
 from tests.test_convert import Block, model_tensors
-from tests.fs_utils import in_user_namespace, needs_tmpfs
 from tests.test_fault_train import FullDisk
 
 
@@ -35,7 +35,7 @@ def sources(tmp_path_factory):
     save_checkpoint(str(step), model)
     save_torch(step / "trainer.pt", {"step": 2})
     checkpoints.write_manifest(step, 2, {"world_size": 2, "ep_size": 2})
-    fmoe.hf.export(fmoe.hf.convert(tiny("qwen3_moe")), root / "hf")
+    fmoe.integrations.hf.export(fmoe.integrations.hf.convert(tiny("qwen3_moe")), root / "hf")
     return root
 
 
@@ -225,7 +225,7 @@ def test_a_really_full_disk_is_one_line_and_leaves_dst_as_it_was(sources, tmp_pa
     disk = tmp_path / "disk"
     disk.mkdir()
     script = (f"mount -t tmpfs -o size=16k tmpfs {disk} && mkdir {disk}/dst && echo old > {disk}/dst/kept && "
-              f"{sys.executable} -m fmoe.cli convert {sources / source} {disk}/dst --to {to} --overwrite; "
+              f"{sys.executable} -m fmoe.app.cli convert {sources / source} {disk}/dst --to {to} --overwrite; "
               f"echo status=$?; ls -A {disk}; cat {disk}/dst/kept")
     result = in_user_namespace(script)
     assert result.stderr.strip().count("\n") == 0, result.stderr

@@ -93,7 +93,7 @@ def test_invalid_environment_variables_are_named(monkeypatch, name, value):
                                         ("FMOE_CHECK_TIMEOUT", "nan"), ("FMOE_FASTER_GLBPLC_NETBW", "fast")])
 def test_invalid_numeric_environment_variables_are_named(monkeypatch, name, value):
     from fmoe.distributed.check import check_timeout
-    from fmoe.perfmodel import PerfModel
+    from fmoe.perf.perfmodel import PerfModel
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         check_timeout()

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fmoe import checkpoints, files
-from fmoe.checkpoints import CheckpointError
-from fmoe.cli import main
-from fmoe.data import load_corpus
-from fmoe.train import harmonic_mean
+from fmoe.app import checkpoints, files
+from fmoe.app.checkpoints import CheckpointError
+from fmoe.app.cli import main
+from fmoe.app.data import load_corpus
+from fmoe.app.train import harmonic_mean
 from tests.fs_utils import in_user_namespace, needs_tmpfs
 
 TINY = ["--d-model", "16", "--layers", "1", "--heads", "1", "--seq-len", "16", "--num-expert", "2",
@@ -89,7 +89,7 @@ def test_atomic_write_on_full_disk_reports_path_and_keeps_previous_file(tmp_path
 def test_atomic_write_killed_midway_leaves_previous_file(tmp_path):
     path = tmp_path / "history.json"
     path.write_text('{"old": true}')
-    code = ("import os, signal, sys; from fmoe.files import write_atomic\n"
+    code = ("import os, signal, sys; from fmoe.app.files import write_atomic\n"
             "def half(f): f.write(b'{\"new\": '); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
             "write_atomic(sys.argv[1], half)")
     result = subprocess.run([sys.executable, "-c", code, str(path)], timeout=120)
@@ -101,7 +101,7 @@ def test_atomic_write_after_a_kill_removes_the_stale_temporary_file_only(tmp_pat
     """A SIGKILL inside a write leaves `.history.json.XXXXXXXX.tmp`; the next process's save into that
     folder removes it, but not other files nor a temporary newer than itself (a write in progress)."""
     path = tmp_path / "history.json"
-    kill = ("import os, signal, sys; from fmoe.files import write_atomic\n"
+    kill = ("import os, signal, sys; from fmoe.app.files import write_atomic\n"
             "def half(f): f.write(b'{'); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
             "write_atomic(sys.argv[1], half)")
     assert subprocess.run([sys.executable, "-c", kill, str(path)], timeout=120).returncode == -signal.SIGKILL
@@ -113,7 +113,7 @@ def test_atomic_write_after_a_kill_removes_the_stale_temporary_file_only(tmp_pat
     in_progress = tmp_path / ".plot.png.zzzzzzzz.tmp"
     in_progress.write_text("half")
     os.utime(in_progress, (time.time() + 3600,) * 2)    # as if written after the next process started
-    save = "import sys; from fmoe.files import write_json; write_json(sys.argv[1], [1])"
+    save = "import sys; from fmoe.app.files import write_json; write_json(sys.argv[1], [1])"
     subprocess.run([sys.executable, "-c", save, str(tmp_path / "checkpoint.json")], check=True, timeout=120)
     assert not stale.exists() and all(p.exists() for p in others) and in_progress.exists()
     assert json.loads((tmp_path / "checkpoint.json").read_text()) == [1]
@@ -233,7 +233,7 @@ def test_fault_signal_during_final_validation_saves_the_finished_run(corpus, tmp
 
 def test_fault_abort_inside_step_rolls_back_then_resumes_exactly(corpus, tmp_path, monkeypatch, straight):
     """A KeyboardInterrupt raised inside a step (a second Ctrl-C) before the update: the step is undone."""
-    from fmoe import train as train_module
+    from fmoe.app import train as train_module
 
     real = train_module.lr_at
 
@@ -257,7 +257,7 @@ def test_harmonic_mean_of_no_steps_is_zero():
 # --- kills -----------------------------------------------------------------------------------------
 
 def fmoe_cmd(corpus, out, steps, *extra):
-    return [sys.executable, "-m", "fmoe.cli", "train", *TINY, "--steps", str(steps), "--data", str(corpus),
+    return [sys.executable, "-m", "fmoe.app.cli", "train", *TINY, "--steps", str(steps), "--data", str(corpus),
             "--out", str(out), "--no-progress", *extra]
 
 
@@ -417,8 +417,8 @@ def test_bad_input_big_data_file_is_read_only_as_far_as_kept(tmp_path, monkeypat
         def __exit__(self, *exc):
             self.f.close()
 
-    import fmoe.data
-    monkeypatch.setattr(fmoe.data, "open", lambda *a, **k: Spy(real_open(*a, **k)), raising=False)
+    import fmoe.app.data
+    monkeypatch.setattr(fmoe.app.data, "open", lambda *a, **k: Spy(real_open(*a, **k)), raising=False)
     corpus = load_corpus(str(big), seq_len=16, max_bytes=10_000)
     assert corpus.num_bytes == 10_000 and corpus.truncated
     assert all(0 <= n <= 10_000 for n in reads)
@@ -429,9 +429,9 @@ def test_bad_input_big_data_file_is_read_only_as_far_as_kept(tmp_path, monkeypat
 def _load_full_on_rank(rank, world, state_file):
     from types import SimpleNamespace
 
+    from fmoe.app.gpt import GPT, GPTConfig
+    from fmoe.app.train import TrainConfig, Trainer, make_optimizer
     from fmoe.distributed.groups import make_groups
-    from fmoe.gpt import GPT, GPTConfig
-    from fmoe.train import TrainConfig, Trainer, make_optimizer
 
     state = torch.load(state_file, weights_only=True)
     cfg = GPTConfig(**state["model_config"])
@@ -472,10 +472,10 @@ RESUME_CASES = [("backward:2:SIGTERM:1", 2), ("optimizer:2:SIGINT:0", 2), ("opti
 
 
 def _resume_on_rank(rank, world, corpus, root, ports):
-    """Every run of RESUME_CASES on this rank, each through `fmoe.train.train` as under torchrun:
+    """Every run of RESUME_CASES on this rank, each through `fmoe.app.train.train` as under torchrun:
     per --ep-size an uninterrupted run, then per fault an interrupted run and its --resume."""
-    from fmoe.gpt import GPTConfig
-    from fmoe.train import Interrupted, TrainConfig, train as run
+    from fmoe.app.gpt import GPTConfig
+    from fmoe.app.train import Interrupted, TrainConfig, train as run
     from tests.dist_utils import exit_without_teardown
 
     torch.set_num_threads(1)

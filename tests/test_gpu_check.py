@@ -97,7 +97,7 @@ def test_the_real_load_walks_every_launch_with_its_pinned_config(monkeypatch):
     """real_resources' plumbing with the GPU faked: each launch of the AOT report for sm_90 is warmed up
     once with the config FMOE_TRITON_AUTOTUNE=0 pins, and its resources read off the loaded kernel."""
     import gpu_check
-    from fmoe.kernels import aot
+    from fmoe.tools import aot
 
     class Loaded:
         n_regs, n_spills, metadata = 128, 0, SimpleNamespace(shared=4096)

@@ -1,11 +1,11 @@
-"""fmoe.hf on tiny GPT-2 and Llama models built from local configs (nothing is downloaded)."""
+"""fmoe.integrations.hf on tiny GPT-2 and Llama models built from local configs (nothing is downloaded)."""
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 import fmoe  # noqa: E402
-import fmoe.hf  # noqa: E402
+import fmoe.integrations.hf  # noqa: E402
 
 VOCAB = 64
 
@@ -36,7 +36,7 @@ def test_upcycled_logits_unchanged(kind, gate, top_k):
     ids = tokens()
     with torch.no_grad():
         dense = model(ids).logits
-        fmoe.hf.moefy(model, num_experts=4, top_k=top_k, gate=gate)
+        fmoe.integrations.hf.moefy(model, num_experts=4, top_k=top_k, gate=gate)
         moe = model(ids).logits
     assert sum(isinstance(m, fmoe.FMoE) for m in model.modules()) == 2
     assert not any(type(m).__name__ in ("GPT2MLP", "LlamaMLP") for m in model.modules())
@@ -47,7 +47,7 @@ def test_swiglu_experts_are_gated_copies():
     model = tiny("llama")
     mlp = model.model.layers[0].mlp
     gate_w, up_w, down_w = (mlp.gate_proj.weight.clone(), mlp.up_proj.weight.clone(), mlp.down_proj.weight.clone())
-    fmoe.hf.moefy(model, num_experts=2, top_k=1)
+    fmoe.integrations.hf.moefy(model, num_experts=2, top_k=1)
     experts = model.model.layers[0].mlp.moe.experts
     assert experts.activation == "swiglu" and experts.b1_eF is None
     torch.testing.assert_close(experts.w1_eDF[1], torch.cat([gate_w.t(), up_w.t()], dim=1))
@@ -57,7 +57,7 @@ def test_swiglu_experts_are_gated_copies():
 @pytest.mark.parametrize("return_dict", [True, False])
 def test_loss_includes_the_balance_losses(return_dict):
     model = tiny("gpt2").eval()
-    fmoe.hf.moefy(model, num_experts=4, top_k=2, gate="gshard",
+    fmoe.integrations.hf.moefy(model, num_experts=4, top_k=2, gate="gshard",
                   gate_kwargs={"capacity": None, "random_routing": False}, aux_loss_coef=0.5)
     ids = tokens()
     with torch.no_grad():
@@ -86,7 +86,7 @@ def train(model, steps=8, lr=1e-2):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_training_loss_falls(kind):
-    model = fmoe.hf.moefy(tiny(kind), num_experts=4, top_k=2, gate="gshard")
+    model = fmoe.integrations.hf.moefy(tiny(kind), num_experts=4, top_k=2, gate="gshard")
     losses = train(model)
     assert losses[-1] < losses[0] - 0.3, losses
     gate_grads = [m.gate for m in model.modules() if isinstance(m, fmoe.FMoE)]
@@ -95,12 +95,12 @@ def test_training_loss_falls(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_save_pretrained_and_reload_keep_the_experts(kind, tmp_path):
-    model = fmoe.hf.moefy(tiny(kind), num_experts=4, top_k=2, gate="gshard",
+    model = fmoe.integrations.hf.moefy(tiny(kind), num_experts=4, top_k=2, gate="gshard",
                           gate_kwargs={"capacity": [1.5, 3.0], "random_routing": False})
     train(model, steps=2)   # the experts now differ from each other and from the dense MLP
     model.eval()
     model.save_pretrained(tmp_path)
-    reloaded = fmoe.hf.from_pretrained(tmp_path)
+    reloaded = fmoe.integrations.hf.from_pretrained(tmp_path)
     assert reloaded.config.fmoe == model.config.fmoe
     state, again = model.state_dict(), reloaded.state_dict()
     assert state.keys() == again.keys()
@@ -113,12 +113,12 @@ def test_save_pretrained_and_reload_keep_the_experts(kind, tmp_path):
 
 def test_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="SwiGLU"):
-        fmoe.hf.moefy(tiny("llama", hidden_act="gelu"), num_experts=2)
-    model = fmoe.hf.moefy(tiny("gpt2"), num_experts=2)
+        fmoe.integrations.hf.moefy(tiny("llama", hidden_act="gelu"), num_experts=2)
+    model = fmoe.integrations.hf.moefy(tiny("gpt2"), num_experts=2)
     with pytest.raises(ValueError, match="already MoE-ified"):
-        fmoe.hf.moefy(model, num_experts=2)
+        fmoe.integrations.hf.moefy(model, num_experts=2)
     with pytest.raises(ValueError, match="num_experts"):
-        fmoe.hf.moefy(tiny("gpt2"), num_experts=0)
+        fmoe.integrations.hf.moefy(tiny("gpt2"), num_experts=0)
     tiny("gpt2").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no 'fmoe' entry"):
-        fmoe.hf.from_pretrained(tmp_path)
+        fmoe.integrations.hf.from_pretrained(tmp_path)

@@ -9,8 +9,8 @@ pytest.importorskip("tensorboard")
 import transformers  # noqa: E402
 
 import fmoe  # noqa: E402
-import fmoe.hf  # noqa: E402
-from fmoe.hf import RoutingStatsCallback  # noqa: E402
+import fmoe.integrations.hf  # noqa: E402
+from fmoe.integrations.hf import RoutingStatsCallback  # noqa: E402
 from tests import hf_models  # noqa: E402
 from tests.test_stats import reference  # noqa: E402
 from tests.test_train import scalar_events  # noqa: E402
@@ -18,7 +18,7 @@ from tests.test_train import scalar_events  # noqa: E402
 
 def test_trainer_logs_each_layers_load_over_the_micro_batches_of_a_step(tmp_path):
     torch.manual_seed(0)
-    model = fmoe.hf.convert(transformers.AutoModelForCausalLM.from_config(hf_models.config("qwen3_moe")))
+    model = fmoe.integrations.hf.convert(transformers.AutoModelForCausalLM.from_config(hf_models.config("qwen3_moe")))
     layers = {name: m for name, m in model.named_modules() if isinstance(m, fmoe.FMoE)}
     assert len(layers) == 2
     routed = {name: [] for name in layers}      # (expert_idx_TK, router logits) of every forward

@@ -1,4 +1,4 @@
-"""fmoe.hf.convert / export on every transformers MoE family: same logits, gradients, router logits and
+"""fmoe.integrations.hf.convert / export on every transformers MoE family: same logits, gradients, router logits and
 aux loss as transformers' own blocks; whole-or-nothing conversion; a round trip through plain transformers."""
 import copy
 
@@ -8,10 +8,10 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-import fmoe.hf  # noqa: E402
-from fmoe.hf.convert import HFMoEBlock  # noqa: E402
-from fmoe.hf.export import block_state  # noqa: E402
-from fmoe.hf.families import find_moe_blocks  # noqa: E402
+import fmoe.integrations.hf  # noqa: E402
+from fmoe.integrations.hf.convert import HFMoEBlock  # noqa: E402
+from fmoe.integrations.hf.export import block_state  # noqa: E402
+from fmoe.integrations.hf.families import find_moe_blocks  # noqa: E402
 from tests.hf_models import FAMILIES, tiny, tokens  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -37,7 +37,7 @@ def run(model, ids, **kwargs):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_block_matches_transformers(family):
     model = tiny(family)
-    converted = fmoe.hf.convert(copy.deepcopy(model))
+    converted = fmoe.integrations.hf.convert(copy.deepcopy(model))
     (name, hf_block), = find_moe_blocks(model)[-1:]
     block = converted.get_submodule(name)
     assert isinstance(block, HFMoEBlock) and block.family == family
@@ -61,8 +61,8 @@ def test_block_matches_transformers(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_logits_loss_router_logits_and_grads_match(family):
     model = tiny(family)
-    converted = fmoe.hf.convert(copy.deepcopy(model))
-    assert not find_moe_blocks(converted) and fmoe.hf.converted_blocks(converted)
+    converted = fmoe.integrations.hf.convert(copy.deepcopy(model))
+    assert not find_moe_blocks(converted) and fmoe.integrations.hf.converted_blocks(converted)
     ids = tokens()
     kwargs = {"output_router_logits": True} if hasattr(model.config, "output_router_logits") else {}
     want, got = run(model, ids, **kwargs), run(converted, ids, **kwargs)
@@ -83,11 +83,11 @@ def test_model_logits_loss_router_logits_and_grads_match(family):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "dbrx", "qwen2_moe"])
 def test_export_loads_in_plain_transformers_with_the_same_logits(family, tmp_path):
-    model = fmoe.hf.convert(tiny(family))
+    model = fmoe.integrations.hf.convert(tiny(family))
     with torch.no_grad():       # the fmoe weights, not stale HF ones, must be what is written
-        for _, block in fmoe.hf.converted_blocks(model):
+        for _, block in fmoe.integrations.hf.converted_blocks(model):
             block.moe.experts.w2_eFD.mul_(1.5)
-    fmoe.hf.export(model, tmp_path)
+    fmoe.integrations.hf.export(model, tmp_path)
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert not any(isinstance(m, HFMoEBlock) for m in plain.modules())
     ids = tokens()
@@ -97,11 +97,11 @@ def test_export_loads_in_plain_transformers_with_the_same_logits(family, tmp_pat
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "deepseek_v3"])
 def test_save_pretrained_writes_the_family_layout_plain_transformers_loads(family, tmp_path):
-    """Without fmoe.hf.export: what a converted model's save_pretrained writes loads in plain transformers
+    """Without fmoe.integrations.hf.export: what a converted model's save_pretrained writes loads in plain transformers
     with nothing missing or re-initialised, and the model stays converted."""
-    model = fmoe.hf.convert(tiny(family))
+    model = fmoe.integrations.hf.convert(tiny(family))
     with torch.no_grad():
-        for _, block in fmoe.hf.converted_blocks(model):
+        for _, block in fmoe.integrations.hf.converted_blocks(model):
             block.moe.experts.w2_eFD.mul_(1.5)
     keys = list(model.state_dict())
     model.save_pretrained(tmp_path)
@@ -111,8 +111,8 @@ def test_save_pretrained_writes_the_family_layout_plain_transformers_loads(famil
     ids = tokens()
     with torch.no_grad():
         torch.testing.assert_close(plain.eval()(ids).logits, model(ids).logits, **TOL)
-    assert list(model.state_dict()) == keys and fmoe.hf.converted_blocks(model)
-    with pytest.raises(ValueError, match="state_dict.*fmoe.hf.export"):
+    assert list(model.state_dict()) == keys and fmoe.integrations.hf.converted_blocks(model)
+    with pytest.raises(ValueError, match="state_dict.*fmoe.integrations.hf.export"):
         model.save_pretrained(tmp_path / "given", state_dict=model.state_dict())
     assert not (tmp_path / "given").exists()
 
@@ -126,7 +126,7 @@ def test_half_convertible_model_is_left_untouched():
     model.model.layers.append(bad_layer)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp .*gate_up_proj.*expected .*unchanged"):
-        fmoe.hf.convert(model)
+        fmoe.integrations.hf.convert(model)
     assert not any(isinstance(m, HFMoEBlock) for m in model.modules())
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
@@ -142,25 +142,25 @@ def test_bad_input_fails_clearly_and_changes_nothing():
     dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(ValueError, match="no sparse MoE block.*moefy"):
-        fmoe.hf.convert(dense)
+        fmoe.integrations.hf.convert(dense)
     model = tiny("mixtral")
     model.model.layers[1].mlp = StrangeMoE()
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp \(StrangeMoE\): unknown MoE family"):
-        fmoe.hf.convert(model)
+        fmoe.integrations.hf.convert(model)
     assert type(model.model.layers[0].mlp).__name__ == "MixtralSparseMoeBlock"
     with pytest.raises(ValueError, match="ep_size=3 must be a positive divisor of the block's 4 experts"):
-        fmoe.hf.convert(tiny("qwen3_moe"), ep_size=3)
+        fmoe.integrations.hf.convert(tiny("qwen3_moe"), ep_size=3)
     unconverted = tiny("qwen3_moe")
     with pytest.raises(ValueError, match=r"convert: ep_size=2: .*needs torch.distributed initialised"):
-        fmoe.hf.convert(unconverted, ep_size=2)
-    assert not fmoe.hf.converted_blocks(unconverted)
-    with pytest.raises(ValueError, match="already a sparse MoE model.*fmoe.hf.convert"):
-        fmoe.hf.moefy(tiny("mixtral"), num_experts=4)
-    converted = fmoe.hf.convert(tiny("olmoe"))
+        fmoe.integrations.hf.convert(unconverted, ep_size=2)
+    assert not fmoe.integrations.hf.converted_blocks(unconverted)
+    with pytest.raises(ValueError, match="already a sparse MoE model.*fmoe.integrations.hf.convert"):
+        fmoe.integrations.hf.moefy(tiny("mixtral"), num_experts=4)
+    converted = fmoe.integrations.hf.convert(tiny("olmoe"))
     with pytest.raises(ValueError, match="already converted"):
-        fmoe.hf.convert(converted)
+        fmoe.integrations.hf.convert(converted)
     with pytest.raises(ValueError, match="holds no converted block"):
-        fmoe.hf.export(tiny("olmoe"), "/nonexistent")
+        fmoe.integrations.hf.export(tiny("olmoe"), "/nonexistent")
 
 
 def test_moefy_upcycles_a_dense_model_whole_or_not_at_all():
@@ -170,9 +170,9 @@ def test_moefy_upcycles_a_dense_model_whole_or_not_at_all():
                                                n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=8,
                                                qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8))
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match="fmoe.hf.convert"):
-        fmoe.hf.moefy(model, num_experts=4)
-    assert not any(isinstance(m, fmoe.hf.MoEMLP) for m in model.modules())
+    with pytest.raises(ValueError, match="fmoe.integrations.hf.convert"):
+        fmoe.integrations.hf.moefy(model, num_experts=4)
+    assert not any(isinstance(m, fmoe.integrations.hf.MoEMLP) for m in model.modules())
 
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
@@ -192,7 +192,7 @@ def test_experts_implementation_fmoe_matches_eager(family):
 def test_experts_implementation_fmoe_takes_the_lean_fused_path_where_it_knows_the_activation(monkeypatch):
     """transformers' default gate with SiLU runs fmoe.kernels.routed_mlp (the fused kernels on a GPU);
     gpt-oss's own clamped gate keeps the unfused path."""
-    from fmoe.hf import experts_impl
+    from fmoe.integrations.hf import experts_impl
     calls = []
     real = experts_impl.kernels.routed_mlp
     monkeypatch.setattr(experts_impl.kernels, "routed_mlp", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
@@ -233,7 +233,7 @@ def test_experts_implementation_fmoe_reads_layouts_of_releases_without_the_flags
     w = torch.rand(5, 2)
     want = torch.stack([sum(w[t, k] * experts.down_proj[e] @ experts.act_fn(experts.up_proj[e] @ x[t])
                             for k, e in enumerate(idx[t].tolist())) for t in range(5)])
-    torch.testing.assert_close(fmoe.hf.experts_impl.fmoe_experts_forward(experts, x, idx, w), want, **TOL)
+    torch.testing.assert_close(fmoe.integrations.hf.experts_impl.fmoe_experts_forward(experts, x, idx, w), want, **TOL)
 
 
 def test_register_experts_implementation_is_false_where_transformers_refuses_the_name(monkeypatch):
@@ -246,10 +246,10 @@ def test_register_experts_implementation_is_false_where_transformers_refuses_the
             raise ValueError(f'Specified `experts_implementation="{requested}"` is not supported.')
         return requested
     monkeypatch.setattr(transformers.PreTrainedModel, "get_correct_experts_implementation", as_in_5_0)
-    assert fmoe.hf.register_experts_implementation() is False
+    assert fmoe.integrations.hf.register_experts_implementation() is False
     assert "fmoe" not in ExpertsInterface._global_mapping
     monkeypatch.undo()
-    assert fmoe.hf.register_experts_implementation() is True
+    assert fmoe.integrations.hf.register_experts_implementation() is True
 
 
 def test_dbrx_says_it_cannot_take_the_fmoe_experts_implementation():
@@ -260,8 +260,8 @@ def test_dbrx_says_it_cannot_take_the_fmoe_experts_implementation():
 
 
 def test_router_options_pass_through():
-    model = fmoe.hf.convert(tiny("deepseek_v3"), selection_bias="updated")
-    (_, block), = fmoe.hf.converted_blocks(model)
+    model = fmoe.integrations.hf.convert(tiny("deepseek_v3"), selection_bias="updated")
+    (_, block), = fmoe.integrations.hf.converted_blocks(model)
     assert block.moe.gate.selection_bias == "updated"
 
 
@@ -270,7 +270,7 @@ def test_expert_layouts_read_and_write_back(family):
     """fmoe's stacked experts read from the family's tensors compute what its experts compute, and
     write back to exactly its tensors."""
     from fmoe.experts import GroupedExperts
-    from fmoe.hf.families import BY_BLOCK
+    from fmoe.integrations.hf.families import BY_BLOCK
     from fmoe.kernels import permute, unpermute
     from fmoe.routing import RoutingPlan
     _, block = find_moe_blocks(tiny(family))[-1]
@@ -300,11 +300,11 @@ def test_export_is_atomic_per_file(tmp_path, monkeypatch):
     """A failed export leaves the previous one whole and no staging folder; files get a plain mode."""
     import os
     import sys
-    from fmoe.files import UMASK
-    export_module = sys.modules["fmoe.hf.export"]       # fmoe.hf.export is the function
-    model = fmoe.hf.convert(tiny("qwen3_moe"))
+    from fmoe.app.files import UMASK
+    export_module = sys.modules["fmoe.integrations.hf.export"]       # fmoe.integrations.hf.export is the function
+    model = fmoe.integrations.hf.convert(tiny("qwen3_moe"))
     out = tmp_path / "exported"
-    fmoe.hf.export(model, out)
+    fmoe.integrations.hf.export(model, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert {"config.json", "model.safetensors"} <= set(before)
     assert all(os.stat(p).st_mode & 0o777 == 0o666 & ~UMASK for p in out.iterdir())
@@ -318,7 +318,7 @@ def test_export_is_atomic_per_file(tmp_path, monkeypatch):
     with torch.no_grad():
         next(model.parameters()).add_(1)
     with pytest.raises(OSError, match="No space"):
-        fmoe.hf.export(model, out)
+        fmoe.integrations.hf.export(model, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["exported"]
 
@@ -326,17 +326,17 @@ def test_export_is_atomic_per_file(tmp_path, monkeypatch):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_convert_and_load_keep_each_modules_mode(family, tmp_path):
     model = tiny(family).eval()
-    converted = fmoe.hf.convert(copy.deepcopy(model))
+    converted = fmoe.integrations.hf.convert(copy.deepcopy(model))
     assert not any(m.training for m in converted.modules())
     ids = tokens()
     with torch.no_grad():           # eval routing: deterministic and equal to transformers' (PhiMoE, Mixtral too)
         want = model(ids).logits
         for _ in range(2):
             torch.testing.assert_close(converted(ids).logits, want, **TOL)
-    assert fmoe.hf.convert(copy.deepcopy(model).train()).training
-    assert all(m.training for m in fmoe.hf.convert(copy.deepcopy(model).train()).modules())
+    assert fmoe.integrations.hf.convert(copy.deepcopy(model).train()).training
+    assert all(m.training for m in fmoe.integrations.hf.convert(copy.deepcopy(model).train()).modules())
     model.save_pretrained(tmp_path)
-    loaded = fmoe.hf.load(tmp_path)
+    loaded = fmoe.integrations.hf.load(tmp_path)
     assert not any(m.training for m in loaded.modules())
 
 
@@ -344,7 +344,7 @@ def test_convert_keeps_a_shared_experts_own_mode():
     model = tiny("qwen2_moe").eval()
     (name, block), = find_moe_blocks(model)[-1:]
     block.shared_expert.train()
-    converted = fmoe.hf.convert(model)
+    converted = fmoe.integrations.hf.convert(model)
     new = converted.get_submodule(name)
     assert new.moe.shared_experts[0].training and not new.moe.gate.training and not new.training
 
@@ -352,12 +352,12 @@ def test_convert_keeps_a_shared_experts_own_mode():
 def test_moefy_takes_the_mlps_mode():
     from tests.hf_models import COMMON
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, intermediate_size=24)).eval()
-    fmoe.hf.moefy(model, num_experts=4)
+    fmoe.integrations.hf.moefy(model, num_experts=4)
     assert not any(m.training for m in model.modules())
 
 
 def learned_bias_model(family):
-    model = fmoe.hf.convert(tiny(family), selection_bias="updated")
+    model = fmoe.integrations.hf.convert(tiny(family), selection_bias="updated")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     fmoe.register_bias_update(model, optimizer)
     model.train()(tokens(), labels=tokens()).loss.backward()
@@ -368,18 +368,18 @@ def learned_bias_model(family):
 def test_export_refuses_to_drop_a_learned_selection_bias(tmp_path):
     model = learned_bias_model("qwen3_moe")
     with pytest.raises(ValueError, match=r"e_score_correction_bias.*qwen3_moe.*drop_selection_bias=True"):
-        fmoe.hf.export(model, tmp_path / "out")
+        fmoe.integrations.hf.export(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="drop_selection_bias"):
         model.save_pretrained(tmp_path / "saved")
-    fmoe.hf.export(model, tmp_path / "dropped", drop_selection_bias=True)
+    fmoe.integrations.hf.export(model, tmp_path / "dropped", drop_selection_bias=True)
     assert (tmp_path / "dropped" / "model.safetensors").is_file()
 
 
 def test_export_keeps_a_learned_selection_bias_where_the_family_holds_one(tmp_path):
     model = learned_bias_model("deepseek_v3")
     assert any(g.e_score_correction_bias.any() for g in model.modules() if hasattr(g, "e_score_correction_bias"))
-    fmoe.hf.export(model, tmp_path)
+    fmoe.integrations.hf.export(model, tmp_path)
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(plain(tokens()).logits, model(tokens()).logits, **TOL)

@@ -1,5 +1,5 @@
-"""fmoe.hf.convert with ep_size=2 on real gloo processes equals one process; export and save_pretrained gather
-the experts."""
+"""fmoe.integrations.hf.convert with ep_size=2 on real gloo processes equals one process; export and
+save_pretrained gather the experts."""
 import pytest
 
 pytest.importorskip("transformers")
@@ -21,10 +21,10 @@ def test_load_at_ep2_reads_in_turns_and_keeps_own_experts(tmp_path):
 
 
 def test_load_refuses_bad_input(tmp_path):
-    import fmoe.hf
+    import fmoe.integrations.hf
     with pytest.raises(ValueError, match="config.json"):
-        fmoe.hf.load(tmp_path)
+        fmoe.integrations.hf.load(tmp_path)
     with pytest.raises(ValueError, match="ep_size must be a positive int"):
-        fmoe.hf.load(tmp_path, ep_size=0) if (tmp_path / "config.json").write_text("{}") else None
+        fmoe.integrations.hf.load(tmp_path, ep_size=0) if (tmp_path / "config.json").write_text("{}") else None
     with pytest.raises(ValueError, match="needs torch.distributed"):
-        fmoe.hf.load(tmp_path, ep_size=2)
+        fmoe.integrations.hf.load(tmp_path, ep_size=2)

@@ -11,8 +11,8 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from fmoe.cli import main  # noqa: E402
-from fmoe.hf.finetune import small_model  # noqa: E402
+from fmoe.app.cli import main  # noqa: E402
+from fmoe.integrations.hf.finetune import small_model  # noqa: E402
 from tests.test_train import scalar_events  # noqa: E402
 
 RUN = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--no-progress"]
@@ -64,8 +64,8 @@ def test_one_process(tmp_path, corpus_file):
 def test_two_ranks_expert_parallel(tmp_path, corpus_file):
     """DeepSeek-V3: a dense first layer, shared experts, group-limited routing."""
     model_dir, out = saved(tmp_path, "deepseek_v3"), tmp_path / "out"
-    cmd = [sys.executable, "-m", "fmoe.cli", "train", "--hf-model", str(model_dir), "--nproc", "2", "--ep-size", "2",
-           *RUN, "--data", str(corpus_file), "--out", str(out)]
+    cmd = [sys.executable, "-m", "fmoe.app.cli", "train", "--hf-model", str(model_dir), "--nproc", "2",
+           "--ep-size", "2", *RUN, "--data", str(corpus_file), "--out", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 processes, expert-parallel size 2" in result.stdout

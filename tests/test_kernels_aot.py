@@ -1,6 +1,6 @@
 """Every Triton kernel compiled for A100 (sm_80) and H100/H200 (sm_90) on this machine, no GPU needed.
 
-`python -m fmoe.kernels.aot` compiles each launch as the layer specialises it, every config its
+`python -m fmoe.tools.aot` compiles each launch as the layer specialises it, every config its
 autotuner may pick, bf16, fp16 and fp32 (with and without TF32). It runs in a subprocess: the
 test suite makes triton.jit interpret (TRITON_INTERPRET=1), which cannot compile for a GPU. The
 results are cached by Triton's compile key, so only a changed kernel or config compiles again
@@ -35,7 +35,7 @@ def report_path(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot") / "kernels-aot.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "-m", "fmoe.kernels.aot", "--out", str(out), "--jobs", "2"],
+    run = subprocess.run([sys.executable, "-m", "fmoe.tools.aot", "--out", str(out), "--jobs", "2"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert out.exists(), f"no report written (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     return out
@@ -119,7 +119,7 @@ def test_why_gathered_rows_are_not_loaded_by_descriptor(doc):
 
 
 def test_fmoe_info_prints_the_report(report_path, capsys, tmp_path):
-    from fmoe import cli
+    from fmoe.app import cli
 
     assert cli.main(["info", "--aot", str(report_path)]) == 0
     out = capsys.readouterr().out
@@ -127,4 +127,4 @@ def test_fmoe_info_prints_the_report(report_path, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["info", "--aot", str(tmp_path / "missing.json")])
     assert exit_info.value.code == 2
-    assert "python -m fmoe.kernels.aot --out" in capsys.readouterr().err
+    assert "python -m fmoe.tools.aot --out" in capsys.readouterr().err

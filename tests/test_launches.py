@@ -1,11 +1,11 @@
-"""What the default layer launches on a GPU, counted on the CPU (fmoe.launches): a bf16 layer on the
+"""What the default layer launches on a GPU, counted on the CPU (fmoe.observe.launches): a bf16 layer on the
 Triton path, in Triton's interpreter. Exact counts: the number of launches, the bytes of the glue
 between the kernels, no fp32 temporary of the rows' size, and the combine's bytes to the byte."""
 import pytest
 import torch
 
 import fmoe
-from fmoe.launches import count_launches
+from fmoe.observe.launches import count_launches
 
 T, D, H = 8, 16, 16
 

@@ -31,7 +31,7 @@ def gpt(ep_size: int, tp_size: int = 1, gate="gshard", gate_kwargs=None, aux_los
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from fmoe.megatron import fmoefy, get_gpt_layer_with_fmoe_spec
+    from fmoe.integrations.megatron import fmoefy, get_gpt_layer_with_fmoe_spec
 
     moe = {} if use_fmoefy else dict(num_moe_experts=EXPERTS, moe_ffn_hidden_size=FFN,
                                       expert_model_parallel_size=ep_size)
@@ -59,7 +59,7 @@ def batch(step: int, part: int, rows: int = 4):
 
 def train(model, optimizer, steps, dp_rank, dp_size, num_microbatches=1):
     """Steps on the global batch of rows 4 * 2: this data-parallel rank's share of it, in microbatches."""
-    from fmoe.megatron import training
+    from fmoe.integrations.megatron import training
 
     losses = []
     for step in steps:
@@ -74,7 +74,7 @@ def train(model, optimizer, steps, dp_rank, dp_size, num_microbatches=1):
 def set_layout(tp_size, ep_size, seed=7):
     from megatron.core import parallel_state
 
-    from fmoe.megatron import training
+    from fmoe.integrations.megatron import training
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -91,7 +91,7 @@ def same_on_both_ranks(tensor) -> bool:
 
 
 def stage_train_and_resume(ckpt):
-    from fmoe.megatron import training
+    from fmoe.integrations.megatron import training
 
     dp_rank, dp_size = set_layout(1, 2)
     model, optimizer = training.wrap(gpt(2), lr=3e-3)
@@ -142,7 +142,7 @@ def stage_mlp_matches_fmoe():
     for name, p in mlp.moe.named_parameters():
         diffs[name] = (p.grad - grads_s[name].grad).abs().max().item()
     try:
-        from fmoe.megatron import MegatronMLP
+        from fmoe.integrations.megatron import MegatronMLP
 
         MegatronMLP(model.config, num_experts=3)
         bad_count = "no error"
@@ -194,7 +194,7 @@ class RecordingWriter:
 def stage_routing_stats():
     """Each layer's routing statistics of every micro-batch (this rank's tokens), from the slots and
     logits its gate saw, and what log_moe_metrics wrote of them."""
-    from fmoe.megatron import training
+    from fmoe.integrations.megatron import training
 
     dp_rank, dp_size = set_layout(1, 2)
     model, optimizer = training.wrap(gpt(2, gate="naive", gate_kwargs={"capacity": 0.5}), lr=3e-3)
@@ -213,7 +213,7 @@ def stage_routing_stats():
 
 def stage_layouts(ckpt):
     """Save after one step at expert parallel 2, then train 3 more steps at each layout from there."""
-    from fmoe.megatron import training
+    from fmoe.integrations.megatron import training
 
     runs = {}
     for name, tp_size, ep_size in (("ep2_dp2", 1, 2), ("ep1_dp2_fmoefy", 1, 1), ("tp2_sp_ep2", 2, 2)):

@@ -184,7 +184,7 @@ def test_checkpoint_of_4_ranks_resumes_at_8_ranks(out_dir):
     (dict(context_parallel_size=0), "context_parallel_size must be a positive integer, got 0"),
 ])
 def test_a_layout_that_cannot_work_is_refused_naming_the_sizes(kwargs, message):
-    from fmoe.megatron.training import check_layout
+    from fmoe.integrations.megatron.training import check_layout
 
     with pytest.raises(ValueError, match=re.escape(message)):
         check_layout(8, **kwargs)
@@ -202,7 +202,7 @@ def test_a_layout_that_cannot_work_is_refused_naming_the_sizes(kwargs, message):
 def test_megatron_router_options_without_an_equal_fmoe_gate_are_refused(options, message):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from fmoe.megatron.router import megatron_router_options
+    from fmoe.integrations.megatron.router import megatron_router_options
 
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=8, add_bias_linear=False,
                 moe_router_topk=2)
@@ -214,7 +214,7 @@ def test_megatron_router_options_without_an_equal_fmoe_gate_are_refused(options,
 def test_megatron_router_options_map_one_to_one():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from fmoe.megatron.router import megatron_router_options
+    from fmoe.integrations.megatron.router import megatron_router_options
 
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=8,
                                add_bias_linear=False, moe_router_topk=2, **workers.ROUTINGS["deepseek"])

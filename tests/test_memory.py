@@ -1,6 +1,6 @@
 """What the layer keeps for backward, per recompute mode, and that every mode gives the same answer.
 
-Saved bytes are counted by unique storage through saved_tensors_hooks (fmoe.memory), parameters
+Saved bytes are counted by unique storage through saved_tensors_hooks (fmoe.observe.memory), parameters
 left out: a deterministic count, held to each mode's formula exactly.
 """
 import pytest
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import fmoe
 from fmoe import kernels
 from fmoe.experts import GLU, ClampedSwiGLU
-from fmoe.memory import SavedTensors, peak_bytes, saved_bytes
+from fmoe.observe.memory import SavedTensors, peak_bytes, saved_bytes
 from fmoe.routing import RoutingPlan
 from tests import dist_workers
 from tests.dist_utils import run_ranks

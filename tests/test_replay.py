@@ -437,14 +437,14 @@ def test_a_gate_routing_in_its_own_forward_is_refused_for_replay():
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "phimoe"])
 def test_hf_trace_from_router_logits_equals_the_recorded_one_and_replays(family):
-    import fmoe.hf
+    import fmoe.integrations.hf
     from tests.hf_models import tiny, tokens
 
     hf = tiny(family)
-    model = fmoe.hf.convert(copy.deepcopy(hf))
+    model = fmoe.integrations.hf.convert(copy.deepcopy(hf))
     ids = tokens()
     with torch.no_grad():
-        trace = fmoe.hf.trace_from_router_logits(model, hf(ids, output_router_logits=True).router_logits)
+        trace = fmoe.integrations.hf.trace_from_router_logits(model, hf(ids, output_router_logits=True).router_logits)
         with fmoe.record_routing(model) as recorded_trace:
             model(ids)
     assert trace.names == recorded_trace.names
@@ -463,10 +463,10 @@ def test_hf_trace_from_router_logits_equals_the_recorded_one_and_replays(family)
 
 
 def test_generate_steps_joined_replay_in_one_forward_over_the_sequences():
-    import fmoe.hf
+    import fmoe.integrations.hf
     from tests.hf_models import tiny, tokens
 
-    model = fmoe.hf.convert(tiny("qwen3_moe"))
+    model = fmoe.integrations.hf.convert(tiny("qwen3_moe"))
     ids = tokens(batch=2, length=5)
     with fmoe.record_routing(model) as trace, torch.no_grad():
         sequences = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,

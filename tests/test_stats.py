@@ -1,4 +1,4 @@
-"""Routing statistics (fmoe.stats): every statistic held to a plain loop over the routed slots."""
+"""Routing statistics (fmoe.observe.stats): every statistic held to a plain loop over the routed slots."""
 import json
 import math
 import os
@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fmoe
-from fmoe.stats import RoutingStatsMeter, scalars
+from fmoe.observe.stats import RoutingStatsMeter, scalars
 from tests.dist_utils import run_ranks
 from tests.test_compile import no_host_reads
 

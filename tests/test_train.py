@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fmoe.dashboards
-import fmoe.train
-from fmoe.cli import main
-from fmoe.data import BatchSampler, load_corpus
-from fmoe.gpt import GPT, GPTConfig
+import fmoe.app.train
+import fmoe.observe.dashboards
+from fmoe.app.cli import main
+from fmoe.app.data import BatchSampler, load_corpus
+from fmoe.app.gpt import GPT, GPTConfig
+from fmoe.app.train import lr_at
 from fmoe.layer import FMoE, collect_aux_loss
-from fmoe.train import lr_at
 
 TINY_MODEL = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--num-expert", "4",
               "--d-hidden", "64", "--batch-size", "4"]
@@ -127,7 +127,7 @@ def test_train_writes_checkpoint_history_plot_and_resumes(corpus_file, tmp_path,
 def test_train_under_the_gpu_path_bf16_autocast(corpus_file, tmp_path, monkeypatch):
     """fmoe train's GPU path, bf16 autocast, here on the CPU: the MoE layers run in bf16 in every
     forward (training, validation, sampling) and the run trains."""
-    monkeypatch.setattr(fmoe.train, "autocast", lambda device: torch.autocast(device.type, dtype=torch.bfloat16))
+    monkeypatch.setattr(fmoe.app.train, "autocast", lambda device: torch.autocast(device.type, dtype=torch.bfloat16))
     dtypes = set()
     handle = torch.nn.modules.module.register_module_forward_hook(
         lambda module, args, out: dtypes.add(out.dtype) if isinstance(module, FMoE) else None)
@@ -197,7 +197,7 @@ NO_WANDB_KEY = RuntimeError("api_key not configured (no-tty). call wandb.login(k
 def test_a_tensorboard_that_cannot_open_is_one_warning_by_default(corpus_file, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard",
                         broken_module("torch.utils.tensorboard", TENSORBOARD_BROKEN, "SummaryWriter"))
-    monkeypatch.setattr(fmoe.dashboards, "installed", lambda backend: True)
+    monkeypatch.setattr(fmoe.observe.dashboards, "installed", lambda backend: True)
     with pytest.warns(UserWarning, match="tensorboard cannot open .*TypeError: Descriptors") as caught:
         assert run_train(corpus_file, tmp_path / "run", 2, "--log", "none") == 0 and not caught   # asks for none
         assert run_train(corpus_file, tmp_path / "run", 2) == 0
@@ -213,7 +213,7 @@ def test_a_tensorboard_that_cannot_open_is_one_warning_by_default(corpus_file, t
 def test_an_asked_for_dashboard_that_cannot_open_stops_before_training(corpus_file, tmp_path, monkeypatch, capsys,
                                                                       log, module, attribute, error):
     monkeypatch.setitem(sys.modules, module, broken_module(module, error, attribute))
-    monkeypatch.setattr(fmoe.dashboards, "installed", lambda backend: True)
+    monkeypatch.setattr(fmoe.observe.dashboards, "installed", lambda backend: True)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         run_train(corpus_file, out, 2, "--log", log)
@@ -249,7 +249,7 @@ def test_interrupted_run_resumes_where_it_stopped(corpus_file, tmp_path, monkeyp
         return lr_at(step, total, peak)
 
     with monkeypatch.context() as patch:
-        patch.setattr("fmoe.train.lr_at", ctrl_c_at_step_5)
+        patch.setattr("fmoe.app.train.lr_at", ctrl_c_at_step_5)
         assert run_train(corpus_file, tmp_path / "run", 8, "--gate", "noisy") == 130
     assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"] == 5
     assert run_train(corpus_file, tmp_path / "run", 8, "--gate", "noisy", "--resume") == 0
@@ -276,7 +276,7 @@ def test_info_runs():
 
 def test_train_on_two_processes_with_expert_parallelism_and_reshard_on_resume(corpus_file, tmp_path):
     out = tmp_path / "ep"
-    base = [sys.executable, "-m", "fmoe.cli", "train", *TINY_MODEL, "--data", str(corpus_file), "--out", str(out),
+    base = [sys.executable, "-m", "fmoe.app.cli", "train", *TINY_MODEL, "--data", str(corpus_file), "--out", str(out),
             "--no-progress", "--nproc", "2"]
     first = subprocess.run(base + ["--steps", "4", "--ep-size", "2"], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import fmoe.deepspeed as fds
-from fmoe.data import BatchSampler, load_corpus
+import fmoe.integrations.deepspeed as fds
+from fmoe.app.data import BatchSampler, load_corpus
+from fmoe.app.gpt import GPT, GPTConfig
 from fmoe.distributed.checkpoint import save_checkpoint
-from fmoe.gpt import GPT, GPTConfig
 from fmoe.transformer import FMoETransformerMLP
 
 HERE = Path(__file__).resolve().parent

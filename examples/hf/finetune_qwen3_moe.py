@@ -6,7 +6,7 @@ processes, then export it back to a checkpoint plain transformers loads.
     python examples/hf/finetune_qwen3_moe.py --model PATH_TO_A_LOCAL_CHECKPOINT --out /tmp/ft
 
 Without --model the model is a small random-init one over byte tokens, saved to a temporary folder.
-The job is `fmoe train --hf-model PATH --nproc N --ep-size N` (fmoe/hf/finetune.py): each of the
+The job is `fmoe train --hf-model PATH --nproc N --ep-size N` (fmoe/integrations/hf/finetune.py): each of the
 N gloo processes keeps 1/N of every MoE block's experts and trains on its own batches of the byte
 corpus (the Python stdlib, or --data); the loss printed is the mean over the ranks. At the end the
 exported checkpoint is reloaded with plain transformers and converted again, and the two logits compared.
@@ -20,15 +20,15 @@ import tempfile
 import torch
 import transformers
 
-import fmoe.hf
-from fmoe.hf.finetune import small_model
+import fmoe.integrations.hf
+from fmoe.integrations.hf.finetune import small_model
 
 
 def compare_reloaded(out: str) -> float:
     """max |logit difference| between the exported checkpoint in plain transformers and converted by fmoe."""
     ids = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(7))
     plain = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    converted = fmoe.hf.convert(transformers.AutoModelForCausalLM.from_pretrained(out)).eval()
+    converted = fmoe.integrations.hf.convert(transformers.AutoModelForCausalLM.from_pretrained(out)).eval()
     with torch.no_grad():
         return (plain(ids).logits - converted(ids).logits).abs().max().item()
 
@@ -48,7 +48,7 @@ def main():
         if model is None:
             model = os.path.join(folder, args.family)
             small_model(args.family).save_pretrained(model)
-        cmd = [sys.executable, "-m", "fmoe.cli", "train", "--hf-model", model, "--nproc", str(args.nproc),
+        cmd = [sys.executable, "-m", "fmoe.app.cli", "train", "--hf-model", model, "--nproc", str(args.nproc),
                "--ep-size", str(args.nproc), "--steps", str(args.steps), "--lr", str(args.lr), "--batch-size", "16",
                "--seq-len", "64", "--out", args.out] + (["--data", args.data] if args.data else [])
         status = subprocess.call(cmd)

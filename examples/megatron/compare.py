@@ -25,11 +25,11 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.grouped_gemm_util import grouped_gemm_is_available
 
-from fmoe.megatron import get_gpt_layer_with_fmoe_spec, training
+from fmoe.integrations.megatron import get_gpt_layer_with_fmoe_spec, training
 from pretrain_gpt_moe import VOCAB_SIZE, add_model_args, gpt_config, load_bytes, microbatches
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-# fmoe's RouterGate with the options of Megatron's TopKRouter in the config (fmoe.megatron.router).
+# fmoe's RouterGate with the options of Megatron's TopKRouter in the config (fmoe.integrations.megatron.router).
 FMOE_GATE = dict(gate="megatron")
 
 

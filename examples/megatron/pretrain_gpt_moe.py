@@ -28,7 +28,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from fmoe.megatron import fmoefy, get_gpt_layer_with_fmoe_spec, training  # noqa: E402
+from fmoe.integrations.megatron import fmoefy, get_gpt_layer_with_fmoe_spec, training  # noqa: E402
 
 VOCAB_SIZE = 256    # bytes
 
@@ -109,7 +109,7 @@ def load_bytes(args) -> torch.Tensor:
     if args.mock_data:
         return torch.randint(0, VOCAB_SIZE, (1 << 20,), generator=torch.Generator().manual_seed(args.seed),
                              dtype=torch.uint8)
-    from fmoe.data import load_corpus
+    from fmoe.app.data import load_corpus
 
     return load_corpus(args.data, seq_len=args.seq_len).train_N
 

@@ -2,8 +2,8 @@
 from pathlib import Path
 from typing import List
 
+from fmoe.app.files import save_figure
 from fmoe.bench.workload import Point
-from fmoe.files import save_figure
 
 MARKERS = "osv^DPX*h"
 AXIS_TITLES = {"num_expert": "experts", "tokens": "tokens", "d_model": "d_model", "top_k": "top-k",

@@ -19,12 +19,12 @@ from typing import Dict, List, Optional
 
 import torch
 
+from fmoe.app.files import write_json
 from fmoe.bench.competitors import COMPETITORS, PER_TOKEN_TOKENS, Unavailable, build_per_token
 from fmoe.bench.flops import peak_flops
 from fmoe.bench.measure import peak_memory, saved_bytes, time_interleaved
 from fmoe.bench.report import describe, plot_sweep, summary_lines
 from fmoe.bench.workload import Point, imbalance, make_workload
-from fmoe.files import write_json
 
 BASE = Point(tokens=2048, d_model=512, d_hidden=2048, num_expert=8, top_k=2)
 SWEEPS = {"num_expert": [1, 2, 4, 8, 16, 32, 64], "tokens": [256, 512, 1024, 2048, 4096, 8192],

@@ -1,5 +1,0 @@
-"""FastMoE path `fmoe.fastermoe`: FasterMoE's switches and its scheduled forward.
-
-fmoe's FasterMoE lives in `fmoe.distributed.schedule` / `.shadow` and `fmoe.perfmodel`; these
-modules only give FastMoE's import paths.
-"""
