@@ -18,7 +18,7 @@ from fmoe.app import checkpoints, files
 from fmoe.app.checkpoints import CheckpointError
 from fmoe.app.cli import main
 from fmoe.app.data import load_corpus
-from fmoe.app.train import harmonic_mean
+from fmoe.app.evaluation import harmonic_mean
 from tests.fs_utils import in_user_namespace, needs_tmpfs
 
 TINY = ["--d-model", "16", "--layers", "1", "--heads", "1", "--seq-len", "16", "--num-expert", "2",
@@ -430,7 +430,8 @@ def _load_full_on_rank(rank, world, state_file):
     from types import SimpleNamespace
 
     from fmoe.app.gpt import GPT, GPTConfig
-    from fmoe.app.train import TrainConfig, Trainer, make_optimizer
+    from fmoe.app.runtime import TrainConfig
+    from fmoe.app.train import Trainer, make_optimizer
     from fmoe.distributed.groups import make_groups
 
     state = torch.load(state_file, weights_only=True)
@@ -475,7 +476,8 @@ def _resume_on_rank(rank, world, corpus, root, ports):
     """Every run of RESUME_CASES on this rank, each through `fmoe.app.train.train` as under torchrun:
     per --ep-size an uninterrupted run, then per fault an interrupted run and its --resume."""
     from fmoe.app.gpt import GPTConfig
-    from fmoe.app.train import Interrupted, TrainConfig, train as run
+    from fmoe.app.runtime import Interrupted, TrainConfig
+    from fmoe.app.train import train as run
     from tests.dist_utils import exit_without_teardown
 
     torch.set_num_threads(1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fmoe.app.train
+import fmoe.app.runtime
 import fmoe.observe.dashboards
 from fmoe.app.cli import main
 from fmoe.app.data import BatchSampler, load_corpus
@@ -127,7 +127,7 @@ def test_train_writes_checkpoint_history_plot_and_resumes(corpus_file, tmp_path,
 def test_train_under_the_gpu_path_bf16_autocast(corpus_file, tmp_path, monkeypatch):
     """fmoe train's GPU path, bf16 autocast, here on the CPU: the MoE layers run in bf16 in every
     forward (training, validation, sampling) and the run trains."""
-    monkeypatch.setattr(fmoe.app.train, "autocast", lambda device: torch.autocast(device.type, dtype=torch.bfloat16))
+    monkeypatch.setattr(fmoe.app.runtime, "autocast", lambda device: torch.autocast(device.type, dtype=torch.bfloat16))
     dtypes = set()
     handle = torch.nn.modules.module.register_module_forward_hook(
         lambda module, args, out: dtypes.add(out.dtype) if isinstance(module, FMoE) else None)

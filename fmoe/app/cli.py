@@ -13,7 +13,7 @@ import sys
 
 def add_train_args(p: argparse.ArgumentParser):
     from fmoe.app.gpt import GPTConfig
-    from fmoe.app.train import TrainConfig
+    from fmoe.app.runtime import TrainConfig
     from fmoe.gates import GATES
 
     model, run = GPTConfig(), TrainConfig()
@@ -87,7 +87,7 @@ def relaunch_with_torchrun(nproc: int) -> int:
     import subprocess
     import tempfile
 
-    from fmoe.app.train import end_with_parent
+    from fmoe.app.runtime import end_with_parent
 
     # torchrun would read --nproc as an abbreviation of its own --nproc-per-node: leave it out.
     argv, skip = [], False
@@ -141,7 +141,7 @@ def check_train_args(args):
         raise ValueError(f"--ep-size must be >= 1, got {args.ep_size}")
     if args.nproc > 1 and args.nproc % args.ep_size:
         raise ValueError(f"--ep-size ({args.ep_size}) must divide --nproc ({args.nproc})")
-    from fmoe.app.train import launched_by_torchrun
+    from fmoe.app.runtime import launched_by_torchrun
 
     if args.nproc == 1 and args.ep_size > 1 and not launched_by_torchrun():
         raise ValueError(f"--ep-size {args.ep_size} needs several processes: add --nproc {args.ep_size} "
@@ -188,7 +188,7 @@ def check_hf_args(args, parser_defaults: dict):
 
 def run_hf_train(args):
     from fmoe.app.gpt import GPTConfig
-    from fmoe.app.train import TrainConfig, launched_by_torchrun
+    from fmoe.app.runtime import TrainConfig, launched_by_torchrun
     from fmoe.integrations.hf.finetune import finetune
 
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
@@ -206,7 +206,8 @@ def run_hf_train(args):
 
 def run_train(args):
     from fmoe.app.gpt import GPTConfig
-    from fmoe.app.train import Interrupted, TrainConfig, launched_by_torchrun, train
+    from fmoe.app.runtime import Interrupted, TrainConfig, launched_by_torchrun
+    from fmoe.app.train import train
 
     check_train_args(args)
     if args.hf_model is not None:

@@ -1,73 +1,38 @@
-"""`fmoe train`: train the byte-level MoE GPT, then evaluate, checkpoint, plot and sample."""
+"""`fmoe train`: train the byte-level MoE GPT, then evaluate, checkpoint, plot and sample.
+
+The loop, its learning rate and optimizer, and saving and resuming are here; the run's options,
+processes, precision and signals are `fmoe.app.runtime`, what it reports besides the loss
+`fmoe.app.evaluation`. Their names are importable from here too (the old `fmoe.train` held them all);
+a test that patches `autocast` patches it in `fmoe.app.runtime`, where the steps look it up.
+"""
 import math
 import os
 import shutil
-import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from fmoe.app import checkpoints
+from fmoe.app import checkpoints, runtime
 from fmoe.app.data import BatchSampler, load_corpus
-from fmoe.app.files import WriteError, check_writable_folder, save_figure, save_torch, write_json
+from fmoe.app.evaluation import (evaluate, harmonic_mean, imbalance, load_share, open_dashboards,  # noqa: F401
+                                 plot_history, sample_text, smoothed)
+from fmoe.app.files import WriteError, check_writable_folder, save_torch, write_json
 from fmoe.app.gpt import GPT, GPTConfig
+from fmoe.app.runtime import (FAULT_PHASES, Interrupted, StopOnSignal, TrainConfig, all_ranks_agree,  # noqa: F401
+                              autocast, end_with_parent, init_distributed, launched_by_torchrun, mean_over_ranks,
+                              parse_fault, resolve_device)
 from fmoe.distributed import checkpoint as sharded
 from fmoe.distributed.ddp import DistributedGroupedDataParallel, clip_grad_norm_
-from fmoe.distributed.groups import make_groups
-from fmoe.distributed.timeout import collective_timeout
 from fmoe.layer import collect_aux_loss
 from fmoe.load_balancing import register_bias_update_if_needed
-from fmoe.observe.dashboards import Dashboards, parse_log
+from fmoe.observe.dashboards import Dashboards
 
 WARMUP_FRACTION = 0.1
 MIN_LR_RATIO = 0.1
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 400
-    batch_size: int = 32
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
-    device: str = "auto"
-    data: Optional[str] = None
-    out: str = "runs/fmoe-train"
-    resume: bool = False
-    eval_batches: int = 20
-    sample_bytes: int = 100
-    prompt: str = "def "
-    ep_size: int = 1            # expert-parallel size when launched on several processes
-    compile: bool = False       # torch.compile the model (nn.Module.compile: same state_dict keys)
-    save_every: int = 0         # also save every this many steps (0: only at the end and on a signal)
-    keep: int = 2               # checkpoints kept: the newest and keep - 1 before it
-    resume_from: Optional[str] = None   # a checkpoint.pt or step folder to resume from instead of the newest
-    log: Optional[str] = None   # dashboards: tensorboard, wandb, both or none (None: tensorboard when installed)
-    # The model options the user gave (GPTConfig field -> its flag): a resumed run refuses one that
-    # differs from the checkpoint's; the others take the checkpoint's values.
-    model_flags: Dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self):
-        for name in ("steps", "batch_size", "eval_batches", "ep_size", "keep", "save_every", "sample_bytes"):
-            value = getattr(self, name)
-            low = 0 if name in ("save_every", "sample_bytes") else 1
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be an int >= {low}, got {value!r}")
-        for name, low, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("grad_clip", 0.0, True)):
-            value = getattr(self, name)
-            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
-                    or value < low or (strict and value == low)):
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number {'>' if strict else '>='} "
-                                 f"{low:g}, got {value!r}")
-        if self.resume_from is not None:
-            self.resume = True
-        parse_log(self.log)
 
 
 @dataclass
@@ -84,49 +49,6 @@ class TrainResult:
     history: Path
     plot: Path
     sample: str
-
-
-def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
-
-
-def init_distributed(cfg: TrainConfig):
-    """One rank of `torchrun`: NCCL on GPUs, gloo on CPUs; the expert-parallel groups; a share of the cores."""
-    cuda = torch.cuda.is_available() and cfg.device != "cpu"
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    # Every collective of the run is bounded (FMOE_COLLECTIVE_TIMEOUT): a stopped rank fails the others.
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=collective_timeout())
-    world = dist.get_world_size()
-    if world % cfg.ep_size:
-        raise ValueError(f"--ep-size ({cfg.ep_size}) must divide the number of processes ({world})")
-    return make_groups(cfg.ep_size)
-
-
-def mean_over_ranks(value: float) -> float:
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.double)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}") from err
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name!r}: CUDA is not available here; use --device cpu")
-    return device
 
 
 def lr_at(step: int, total: int, peak: float) -> float:
@@ -148,169 +70,9 @@ def make_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
-def load_share(model: GPT) -> torch.Tensor:
-    """Each expert's share of the routed rows in the last forward (all ranks): [n_layer, num_expert], rows sum to 1."""
-    loads_LE = model.expert_loads()
-    if dist.is_initialized():
-        dist.all_reduce(loads_LE)
-    return loads_LE / loads_LE.sum(-1, keepdim=True).clamp_min(1)
-
-
-def imbalance(share_LE: torch.Tensor) -> float:
-    """max / mean load over the experts, averaged over layers: 1.0 is perfectly balanced."""
-    return (share_LE.max(-1).values * share_LE.shape[-1]).mean().item()
-
-
-def autocast(device: torch.device):
-    # bf16 autocast where it pays (CUDA; the MoE layers' expert GEMMs included); CPU runs plain fp32.
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
-@torch.no_grad()
-def evaluate(model: GPT, sampler: BatchSampler, batches: int, device: torch.device) -> float:
-    model.eval()
-    total = 0.0
-    for _ in range(batches):
-        x_BT, y_BT = (t.to(device) for t in sampler.next())
-        with autocast(device):
-            logits_BTV, _ = model(x_BT)
-        total += F.cross_entropy(logits_BTV.float().flatten(0, 1), y_BT.flatten()).item()
-    model.train()
-    return mean_over_ranks(total / batches)
-
-
-def sample_text(model: GPT, prompt: str, num_bytes: int, seed: int, device: torch.device) -> str:
-    model.eval()
-    idx_1P = torch.tensor([list(prompt.encode() or b"\n")], dtype=torch.long, device=device)
-    with autocast(device):
-        out_1T = model.generate(idx_1P, num_bytes, generator=torch.Generator().manual_seed(seed))
-    model.train()
-    return bytes(out_1T[0].tolist()).decode("utf-8", errors="replace")
-
-
 def new_history(model_cfg: GPTConfig, cfg: TrainConfig) -> dict:
     return {"model_config": asdict(model_cfg), "train_config": asdict(cfg), "step": [], "loss": [], "aux_loss": [],
             "lr": [], "grad_norm": [], "tokens_per_s": [], "load_share": [], "val_loss": []}
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM, after the current step finished and a checkpoint was saved."""
-
-
-class StopOnSignal:
-    """While active, SIGINT and SIGTERM only note the request; the training loop stops at the end of the step.
-    A second signal aborts at once (the checkpoints already on disk stay whole)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.signum = None
-
-    def handle(self, signum, frame):
-        if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def __enter__(self):
-        self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-def all_ranks_agree(flag: bool) -> bool:
-    """True on every rank only if `flag` is true on every rank (one tiny all-reduce)."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([0 if flag else 1])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item() == 0
-
-
-def open_dashboards(dashboards: Dashboards):
-    """Before the first step, on every rank: an asked-for --log backend that cannot open on the
-    writing rank stops them all, not only that one."""
-    error = None
-    try:
-        dashboards.open()
-    except ValueError as err:
-        error = err
-    if not all_ranks_agree(error is None):
-        raise error or ValueError("--log: the dashboards could not open on the rank that writes them (its "
-                                  "message says why)")
-
-
-def end_with_parent(sig=signal.SIGTERM):
-    """Linux: get `sig` when the parent process dies, so killing a launcher ends its ranks."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))    # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):       # not Linux: nothing to arm
-        return
-    if os.getppid() == 1:                   # the parent died before the arm
-        os.kill(os.getpid(), sig)
-
-
-FAULT_PHASES = ("forward", "backward", "optimizer", "step", "validation", "save")
-
-
-def parse_fault(spec: Optional[str]):
-    """FMOE_FAULT=phase:step:SIGNAL[:rank], e.g. backward:3:SIGTERM (a test hook; unset in real runs)."""
-    if not spec:
-        return None
-    parts = spec.split(":")
-    try:
-        phase, step, name = parts[:3]
-        sig = signal.Signals[name] if name.startswith("SIG") else signal.Signals["SIG" + name]
-        rank = int(parts[3]) if len(parts) > 3 else None
-        if phase not in FAULT_PHASES or len(parts) > 4:
-            raise ValueError
-        return phase, int(step), sig, rank
-    except (ValueError, KeyError):
-        raise ValueError(f"FMOE_FAULT must be phase:step:SIGNAL[:rank] with phase one of {', '.join(FAULT_PHASES)}"
-                         f", got {spec!r}") from None
-
-
-def smoothed(values, decay: float = 0.9):
-    """Exponential moving average, debiased so the first points are not pulled toward 0."""
-    out, avg = [], 0.0
-    for i, v in enumerate(values):
-        avg = decay * avg + (1 - decay) * v
-        out.append(avg / (1 - decay ** (i + 1)))
-    return out
-
-
-def plot_history(history: dict, path: Path):
-    """Loss per step on the left, each expert's load share per step (layer by layer) on the right."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(12, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax_loss, ax_load = fig.subplots(1, 2)
-    ax_loss.plot(history["step"], history["loss"], lw=0.6, alpha=0.4, color="C0", label="train (cross-entropy)")
-    ax_loss.plot(history["step"], smoothed(history["loss"]), color="C0", label="train, smoothed")
-    if history["val_loss"]:
-        val_steps, val_losses = zip(*history["val_loss"])
-        ax_loss.plot(val_steps, val_losses, "o", color="C3", label="validation")
-    ax_loss.set(xlabel="step", ylabel="loss (nats/byte)", title="loss")
-    ax_loss.grid(alpha=0.3)
-    ax_loss.legend()
-
-    share_SLE = torch.tensor(history["load_share"])
-    S, L, E = share_SLE.shape
-    extent = (history["step"][0] - 0.5, history["step"][-1] + 0.5, L * E - 0.5, -0.5)
-    image = ax_load.imshow(share_SLE.permute(1, 2, 0).reshape(L * E, S).numpy(), aspect="auto",
-                           interpolation="nearest", cmap="viridis", vmin=0, extent=extent)
-    for layer in range(1, L):
-        ax_load.axhline(layer * E - 0.5, color="white", lw=1)
-    ax_load.set_yticks([layer * E + (E - 1) / 2 for layer in range(L)], [f"layer {layer}" for layer in range(L)])
-    ax_load.set(xlabel="step", title=f"expert load share ({E} experts per layer, balanced = {1 / E:.3f})")
-    fig.colorbar(image, ax=ax_load, label="share of routed rows")
-    save_figure(path, fig, dpi=100)
 
 
 def resumed_model_config(saved: dict, asked: GPTConfig, flags: Dict[str, str]) -> GPTConfig:
@@ -529,7 +291,7 @@ class Trainer:
             group["lr"] = lr
         x_BT, y_BT = (t.to(self.device) for t in self.sampler.next())
         self.fault_point("forward", self.step + 1)
-        with autocast(self.device):
+        with runtime.autocast(self.device):
             _, loss = self.model(x_BT, y_BT)
         self.optimizer.zero_grad(set_to_none=True)
         self.fault_point("backward", self.step + 1)
@@ -615,11 +377,6 @@ class Trainer:
             plot=plot_path,
             sample=sample_text(self.model, self.cfg.prompt, self.cfg.sample_bytes, self.cfg.seed, self.device),
         )
-
-
-def harmonic_mean(rates):
-    """Tokens/s over several equal-sized steps: total tokens over total time (0 for no steps)."""
-    return len(rates) / sum(1 / r for r in rates) if rates else 0.0
 
 
 def train(cfg: TrainConfig, model_cfg: GPTConfig, log: Callable[[str], None] = print,

@@ -19,12 +19,14 @@ import transformers
 
 import fmoe.integrations.hf
 from fmoe.app.data import BatchSampler, load_corpus
+from fmoe.app.evaluation import open_dashboards
 from fmoe.app.files import write_json
+from fmoe.app.runtime import (TrainConfig, end_with_parent, init_distributed, launched_by_torchrun, mean_over_ranks,
+                              resolve_device)
+from fmoe.app.train import lr_at, make_optimizer
 from fmoe.distributed.ddp import DistributedGroupedDataParallel, clip_grad_norm_
 from fmoe.load_balancing import register_bias_update_if_needed
 from fmoe.observe.dashboards import Dashboards
-from fmoe.app.train import (TrainConfig, end_with_parent, init_distributed, launched_by_torchrun, lr_at,
-                        make_optimizer, mean_over_ranks, open_dashboards, resolve_device)
 
 BYTES = 256     # the corpus's token ids
 
