@@ -7,7 +7,7 @@ What carries over from a FastMoE run is its MoE weights: `load_fastmoe_mlp` load
 layer's state dict (FastMoE's `...mlp.gate.gate.weight`, `...mlp.experts.<i>.htoh4.weight`, from
 that rank's file) into an fmoe MegatronMLP.
 """
-from fmoe.megatron.mlp import MegatronMLP
+from fmoe.integrations.megatron.mlp import MegatronMLP
 
 REPLACEMENT = ("on Megatron-Core, save and load with megatron.core.dist_checkpointing "
                "(model.sharded_state_dict()), or fmoe.distributed.checkpoint.save_checkpoint(path, model, "
