@@ -20,11 +20,14 @@ from fmoe.old_paths import OLD_PATHS, new_name
 FMOE = Path(fmoe.__file__).parent
 ROOT = FMOE.parent
 
-# The top of fmoe/: the engine (the layer, its experts, routing and what they stand on), FastMoE's
-# FMoETransformerMLP / moefy (core API), the package itself and its alias layer.
-TOP_MODULES = {"__init__", "__main__", "old_paths", "layer", "experts", "routing", "autocast", "last_forward", "env",
-               "replay", "load_balancing", "transformer"}
-PACKAGES = {"gates", "kernels", "distributed", "app", "observe", "perf", "tools", "integrations", "fastmoe", "bench"}
+# The top of fmoe/: the engine (the layer and its parts, its experts, routing and what they stand on),
+# FastMoE's FMoETransformerMLP / moefy (core API), the package itself and its alias layer. The layer's
+# parts are those of the layer's split on main (#38), some of which this checkout may not have yet.
+ENGINE = {"layer", "dispatch", "expert_calls", "layer_checks", "shared_experts", "tokens", "experts", "routing",
+          "autocast", "last_forward", "env", "replay", "load_balancing", "transformer"}
+TOP_MODULES = ENGINE | {"__init__", "__main__", "old_paths"}
+ENGINE_PACKAGES = {"gates", "kernels", "distributed"}
+BY_PURPOSE = {"app", "observe", "perf", "tools", "integrations", "fastmoe", "bench"}
 
 # The framework each integration imports when it is imported.
 NEEDS = {"fmoe.integrations.megatron": "megatron.core", "fmoe.integrations.deepspeed": "deepspeed",
@@ -107,9 +110,11 @@ def test_no_module_at_an_old_path_or_beside_the_engine():
     """The top of fmoe/ holds the engine and the packages by purpose, nothing else; no file or folder
     sits at an old path (the alias would hide it)."""
     files = {p.stem for p in FMOE.glob("*.py")}
-    assert files == TOP_MODULES, f"modules at the top of fmoe/ beside the engine: {sorted(files - TOP_MODULES)}"
+    assert files <= TOP_MODULES, (f"modules at the top of fmoe/ beside the engine: {sorted(files - TOP_MODULES)} "
+                                  "(put them in the package of their purpose)")
+    assert {"__init__", "__main__", "old_paths", "layer"} <= files
     packages = {p.parent.name for p in FMOE.glob("*/__init__.py")}
-    assert packages == PACKAGES, f"packages at the top of fmoe/: {sorted(packages ^ PACKAGES)} differ"
+    assert packages == BY_PURPOSE | ENGINE_PACKAGES, f"packages at the top of fmoe/: {sorted(packages)}"
     for old in OLD_PATHS:
         where = ROOT.joinpath(*old.split("."))
         # (a checkout from before the move may keep the old folders' ignored __pycache__: no module there)
