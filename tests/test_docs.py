@@ -7,6 +7,7 @@ is wrong without it, and hold what a build does not: that nothing public is left
 import importlib
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -88,7 +89,7 @@ def test_every_documented_name_has_a_docstring():
     """As the reference renders it: griffe reads the source (a constant's docstring is the string
     under its assignment) and follows the public path's alias to the definition."""
     griffe = pytest.importorskip("griffe")
-    loader = griffe.GriffeLoader(allow_inspection=True)
+    loader = griffe.GriffeLoader(search_paths=[str(ROOT), *sys.path], allow_inspection=True)  # as mkdocs.yml: paths
     package = loader.load("fmoe")
     loader.resolve_aliases(implicit=False, external=False)
     undocumented = []
