@@ -20,6 +20,8 @@ setup(
         "hf": ["transformers>=5,<6"],
         "megatron": ["megatron-core==0.16.1"],
         "bench": ["triton>=3.0"],
+        # `make docs` (and `make test`, which builds the site); constraints.txt pins the versions CI builds with.
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=1.0", "mkdocstrings-python>=2.0"],
     },
     entry_points={"console_scripts": ["fmoe=fmoe.app.cli:main"]},
 )

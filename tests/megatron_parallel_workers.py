@@ -159,10 +159,10 @@ def count_shadow_rows(chunks) -> list:
     rows = []
     for chunk in chunks:
         for moe in [m for m in chunk.modules() if isinstance(m, FMoE)]:
-            def counting(x_ND, plan, run=moe.run_experts):
+            def counting(x_ND, plan, run=moe.dispatcher.run_rows):
                 rows.append(int(plan.num_shadow_rows))
                 return run(x_ND, plan)
-            moe.run_experts = counting
+            moe.dispatcher.run_rows = counting
     return rows
 
 

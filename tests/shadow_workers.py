@@ -209,15 +209,15 @@ def check_megatron_shadowing_equals_off(rank, world):
         model, optimizer = training.wrap(gpt(world, gate="naive", aux_loss_coeff=0.0, shadow=shadow), lr=1e-2)
         mlp = model.module.decoder.layers[0].mlp.moe
         assert (mlp.shadow_policy is None) == (shadow is None)
-        shadow_rows, run_experts = [], mlp.run_experts
+        shadow_rows, run_rows = [], mlp.dispatcher.run_rows
 
         def spy(x, plan):
             shadow_rows.append(plan.num_shadow_rows)
-            return run_experts(x, plan)
-        mlp.run_experts = spy
+            return run_rows(x, plan)
+        mlp.dispatcher.run_rows = spy
         steps = [training.train_step(model, optimizer, [batch(step, rank)]) for step in range(2)]
         # Shadowing on: rows really ran on a pulled copy of an expert at home (off, the lean
-        # path runs the experts without run_experts).
+        # path runs the experts without run_rows).
         assert (bool(shadow_rows) and min(shadow_rows) > 0) == (shadow is not None), shadow_rows
         grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
         params = {n: p.detach().clone() for n, p in model.named_parameters()}

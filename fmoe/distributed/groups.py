@@ -21,6 +21,8 @@ def global_rank(group, rank: int) -> int:
 
 @dataclass
 class ParallelGroups:
+    """The process groups of one rank: `ep_size` expert-parallel ranks x `dp_size` replicas of them."""
+
     ep_size: int
     dp_size: int
     moe_group: Optional[dist.ProcessGroup]          # this rank's expert-parallel group (FastMoE's moe_group)

@@ -27,7 +27,7 @@ from torch.func import functional_call
 from fmoe.distributed import timeout
 from fmoe.distributed.groups import global_rank
 from fmoe.env import env_flag
-from fmoe.perfmodel import PerfModel
+from fmoe.perf.perfmodel import PerfModel
 
 
 def shadow_enabled_by_env() -> bool:

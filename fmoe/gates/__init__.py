@@ -23,9 +23,12 @@ GATES = {
     "dc": DCGate,
     "swipe": SwipeGate,
 }
+"""The gate classes by the names `gate=` takes on a layer (`"naive"`, `"gshard"`, `"router"`, ...)."""
 
 
 def make_gate(gate, d_model: int, num_expert: int, world_size: int, top_k: int, **gate_kwargs) -> BaseGate:
+    """A gate from a name of `GATES`, a `BaseGate` subclass (built with these sizes and `gate_kwargs`)
+    or an instance (returned as it is), as a layer's `gate=` argument takes it."""
     if isinstance(gate, BaseGate):
         return gate
     if isinstance(gate, str):

@@ -10,6 +10,10 @@ from fmoe.gates.distributed_capacity import limit_by_capacity
 
 
 class DCGate(BaseGate):
+    """FastMoE's distributed-capacity gate: GShard-like top-2 whose per-expert capacity,
+    ceil(rate * tokens per rank), holds for the tokens of all ranks of `moe_group` together,
+    filled first-come; `topk` must be 2."""
+
     def __init__(self, d_model, num_expert, world_size=1, topk=2, capacity=(1.2, 2.4), random_routing=True,
                  gate_bias=True, moe_group=None):
         if topk != 2:

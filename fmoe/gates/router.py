@@ -376,3 +376,5 @@ PRESETS = {
     "dbrx": dict(top_k=1, norm_topk_prob=True),        # moe_normalize_expert_weights=1 (the default)
     "jamba": dict(top_k=2, norm_topk_prob=False),
 }
+"""Each HuggingFace family's router as `RouterGate` options, by family name; `RouterGate.from_preset`
+builds one. `top_k` is the family's default; what a model config sets goes in as overrides."""

@@ -32,6 +32,10 @@ def swipe_plan(sent_WW: torch.Tensor, capacity_W: torch.Tensor):
 
 
 class SwipeGate(BaseGate):
+    """FastMoE's SWIPE balancing: top-k by the router, then slots that a full rank refuses move to
+    ranks with room left, so no slot is dropped (one all-gather of counts per k; a graph break
+    under `torch.compile`)."""
+
     def __init__(self, d_model, num_expert, world_size=1, top_k=2, gate_bias=True, moe_group=None):
         super().__init__(d_model, num_expert, world_size, top_k)
         self.gate = LinearRouter(d_model, self.tot_expert, bias=gate_bias)

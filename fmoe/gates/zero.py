@@ -6,6 +6,8 @@ from fmoe.gates.base import BaseGate
 
 
 class ZeroGate(BaseGate):
+    """FastMoE's test gate: every slot of every token to expert 0, each with weight 1/top_k; no router."""
+
     def __init__(self, d_model, num_expert, world_size=1, top_k=2, gate_bias=True):
         # gate_bias is accepted because FMoE passes it to every gate class; there is no router.
         super().__init__(d_model, num_expert, world_size, top_k)

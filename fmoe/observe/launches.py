@@ -224,7 +224,7 @@ def count_launches(layer, x: torch.Tensor, dy: torch.Tensor) -> LaunchTable:
         y = layer(x)
         counter.phase = "backward"
         torch.autograd.backward(y[0] if isinstance(y, tuple) else y, dy)
-    router = _router_launches(layer, x.detach().reshape(-1, x.shape[-1])) if hasattr(layer, "plan_of") else []
+    router = _router_launches(layer, x.detach().reshape(-1, x.shape[-1])) if hasattr(layer, "dispatcher") else []
     layer.zero_grad(set_to_none=True)
     return LaunchTable(counter.launches, router, x.numel() // x.shape[-1])
 
@@ -233,7 +233,7 @@ def _router_launches(layer, x_TD: torch.Tensor) -> List[Launch]:
     x_rows = x_TD.requires_grad_(True)
     with counting() as router:
         routing = layer.route(x_rows, x_rows)
-        layer.plan_of(routing)
+        layer.dispatcher.plan(routing)
     if routing.weight_TK.requires_grad:
         grad_TK = torch.ones_like(routing.weight_TK)
         with counting() as router_backward:

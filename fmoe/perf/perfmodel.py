@@ -47,6 +47,10 @@ from fmoe.env import env_float
 
 @dataclass(frozen=True)
 class PerfModel:
+    """FasterMoE's time model of one MoE layer step for `d_model` x `d_hidden` experts (the module
+    docstring has the formulas); `from_env` reads FastMoE's `FMOE_FASTER_GLBPLC_*` constants and
+    `fmoe.calibration.calibrate` measures them."""
+
     d_model: int
     d_hidden: int
     flops: float = 11.5e12          # P: compute throughput, FLOP/s

@@ -206,6 +206,8 @@ FAMILIES: List[Family] = [
     Family("jamba", "JambaSparseMoeBlock", "router", {"router.weight": "gate.proj.weight"}, _softmax_topk(False),
            read_fused, write_fused),
 ]
+"""The transformers MoE families `convert` and `export` know, one `Family` each (its block class,
+router, expert layout and routing options)."""
 BY_BLOCK = {f.block: f for f in FAMILIES}
 BY_NAME = {f.name: f for f in FAMILIES}
 

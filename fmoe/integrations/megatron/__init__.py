@@ -25,6 +25,7 @@ from fmoe.integrations.megatron.spec import fmoe_mlp_spec, get_gpt_layer_with_fm
 from fmoe.integrations.megatron.utils import add_fmoe_args
 
 TESTED_MEGATRON_CORE = ("0.16.1", "0.19.2")
+"""The megatron-core releases fmoe.megatron is tested with; importing it with another one warns."""
 
 if megatron.core.__version__.split("+")[0] not in TESTED_MEGATRON_CORE:
     warnings.warn(f"fmoe.integrations.megatron is tested with megatron-core {', '.join(TESTED_MEGATRON_CORE)}; "

@@ -22,6 +22,7 @@ def _strategy(balance_strategy):
 
 
 def reset_gate_hook(_num_layers=None, balance_strategy=None):
+    """Clear the balance profile kept by the gate hooks, for `_num_layers` layers and a strategy."""
     global num_layers
     if _num_layers is not None:
         num_layers = _num_layers
@@ -29,6 +30,7 @@ def reset_gate_hook(_num_layers=None, balance_strategy=None):
 
 
 def get_balance_profile():
+    """The balance metrics the gate hooks recorded, by metric, one entry per layer."""
     return balance_dict
 
 

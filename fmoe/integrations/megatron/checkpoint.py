@@ -16,10 +16,14 @@ REPLACEMENT = ("on Megatron-Core, save and load with megatron.core.dist_checkpoi
 
 
 def save_checkpoint(iteration, model, optimizer, lr_scheduler):
+    """FastMoE's Megatron-LM checkpoint writer: raises `NotImplementedError` naming the replacement
+    (Megatron-Core's `dist_checkpointing`, or `fmoe.distributed.checkpoint.save_checkpoint`)."""
     raise NotImplementedError(f"fmoe.megatron.save_checkpoint writes Megatron-LM's file layout: {REPLACEMENT}")
 
 
 def load_checkpoint(model, optimizer, lr_scheduler, load_arg="load"):
+    """FastMoE's Megatron-LM checkpoint reader: raises `NotImplementedError` naming the replacement
+    (FastMoE's MoE weights load with `fmoe.megatron.checkpoint.load_fastmoe_mlp`)."""
     raise NotImplementedError(f"fmoe.megatron.load_checkpoint reads Megatron-LM's file layout: {REPLACEMENT}")
 
 

@@ -29,6 +29,8 @@ def patch_model_provider(model_provider, gate=None, Megatron_Version=None, fmoe_
 
 
 def patch_forward_step(forward_step_func, Megatron_Version=None):
+    """FastMoE's Megatron-LM loss patch: raises `NotImplementedError`, as `MegatronMLP` adds the balance
+    loss itself on Megatron-Core (elsewhere add `fmoe.collect_aux_loss(model)` to the loss)."""
     raise NotImplementedError(
         "patch_forward_step added the gates' balance loss to Megatron-LM's loss; on Megatron-Core, fmoe's "
         "MegatronMLP adds it itself (aux_loss_coeff, through Megatron's MoEAuxLossAutoScaler), so use "

@@ -1,0 +1,166 @@
+"""Dispatchers: where a layer's routed experts run, and how its tokens get there and back.
+
+The layer builds one when it is built, from its world size and `exchange=`, and then never asks
+which it has. Every dispatcher has one interface:
+
+    plan = dispatcher.plan(routing)                 # rows in expert order and, across ranks, the exchange
+    y_TD = dispatcher(x, plan, routing.weight_TK)   # dispatch -> experts -> combine
+
+`y_TD[t]` is the sum over token t's slots of weight * expert(x[t]). The experts are called through
+the layer's `experts_call` (`fmoe.expert_calls`: lean or plain, decided when the experts are set).
+
+- `OneRank`: the experts are all here; the call is the experts' on the tokens.
+- `SlotExchange` (exchange="slot"): one row per (token, expert) slot travels to the expert's rank
+  and back (`fmoe.distributed.exchange`), optionally through FasterMoE's smart schedule.
+- `DedupExchange` (exchange="rank" / "node"): a token travels once per destination rank, or once
+  per node and then per rank inside it (`fmoe.distributed.dedup`); bounded with `sync_free=True`.
+
+Across ranks, FasterMoE's shadowing (`Shadowing`: hot experts' parameters pulled and computed
+where the tokens are) and its smart schedule are properties of the dispatcher, fixed when it is built.
+"""
+import contextlib
+from typing import Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from fmoe import kernels
+from fmoe.autocast import autocast_dtype
+from fmoe.distributed import dedup, exchange
+from fmoe.distributed.schedule import scheduled_experts
+from fmoe.distributed.shadow import BufferPool, ShadowPull
+from fmoe.gates.base import Routing
+from fmoe.gates.load_state import in_recompute
+from fmoe.routing import RoutingPlan
+
+
+class Shadowing:
+    """FasterMoE's shadowing of hot experts: the policy that picks them each step (`plan`) and
+    the pull of their parameters (`pull`), through buffers kept from step to step."""
+
+    def __init__(self, layer, policy):
+        self.layer, self.policy = layer, policy
+        self.buffers = BufferPool()
+
+    def pull(self, plan: RoutingPlan, fold: bool) -> Optional[ShadowPull]:
+        """Start pulling this step's shadowed experts (None when the policy chose none). `fold`: this
+        rank's own experts run through the pull (`ShadowPull.run_local`)."""
+        if plan.shadow is None:
+            return None
+        layer = self.layer
+        return ShadowPull(layer.experts, plan.shadow, layer.num_expert, layer.moe_group, self.policy.overlap,
+                          fold=fold, pool=self.buffers)
+
+
+class OneRank:
+    """All experts on this rank: no exchange."""
+
+    shadowing = None
+    schedule_group_size = None
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def plan(self, routing: Routing) -> RoutingPlan:
+        return RoutingPlan.build(routing.expert_idx_TK, self.layer.tot_expert)
+
+    def __call__(self, x, plan: RoutingPlan, weight_TK: torch.Tensor):
+        return self.layer.experts_call.tokens(x, plan, weight_TK)
+
+
+class Exchange(OneRank):
+    """Across the ranks of the layer's `moe_group`: the exchange's plan, agreed with the other ranks."""
+
+    def __init__(self, layer, exchange_kind: str, shadowing: Optional[Shadowing] = None,
+                 schedule_group_size: Optional[int] = None, bound: Optional[int] = None, node_group=None):
+        super().__init__(layer)
+        self.exchange_kind, self.shadowing = exchange_kind, shadowing
+        self.schedule_group_size = schedule_group_size      # FasterMoE's smart schedule: its group size
+        self.bound, self.node_group = bound, node_group      # sync_free: rows to each rank, each node's group
+
+    def plan(self, routing: Routing) -> RoutingPlan:
+        layer = self.layer
+        if layer.traffic is not None and not in_recompute():
+            layer.traffic.reset()
+        with self.sync_free():
+            return RoutingPlan.build(routing.expert_idx_TK, layer.tot_expert, layer.world_size, layer.moe_group,
+                                     self.shadowing and self.shadowing.policy, exchange=self.exchange_kind,
+                                     ranks_per_node=layer.ranks_per_node, traffic=layer.traffic, bound=self.bound,
+                                     node_group=self.node_group)
+
+    def sync_free(self):
+        """Bounded: no host read anywhere in the step (compiled, it is sync-free anyway)."""
+        forced = self.bound is not None and not torch.compiler.is_compiling()
+        return kernels.forced_sync_free() if forced else contextlib.nullcontext()
+
+    def check_input(self, x):
+        """Shadowing and the smart schedule run the experts on one tensor of rows, through their own forward."""
+        if (self.shadowing is not None or self.schedule_group_size is not None) and not isinstance(x, torch.Tensor):
+            raise ValueError("shadow / schedule need a single input tensor and the default expert_fn")
+
+
+class SlotExchange(Exchange):
+    """One row per (token, expert) slot to the expert's rank and back."""
+
+    def __call__(self, x, plan: RoutingPlan, weight_TK: torch.Tensor):
+        self.check_input(x)
+        backend, call = self.layer.backend, self.layer.experts_call
+        x_ND = tree_map(lambda t: kernels.permute(t, plan, backend), x)
+        if call.weighs_rows and plan.shadow is None and self.schedule_group_size is None:
+            # The permuted rows only travel; the received ones are the experts' input, kept once.
+            weight_N = weight_TK.reshape(-1).index_select(0, plan.slot_N)
+            x_RD = exchange.dispatch(x_ND, plan)
+            weight_R = exchange.dispatch(weight_N[:, None], plan, "routing")[:, 0]
+            y_ND = exchange.combine(call.rows(x_RD, plan.local_counts_e, weight_R), plan)
+            return kernels.sum_rows(y_ND, plan, backend).to(autocast_dtype(x) or x.dtype)
+        y_ND = self.layer.experts_call.checked(self.run_rows(x_ND, plan))
+        return tree_map(lambda t: kernels.unpermute(t, plan, weight_TK, backend), y_ND)
+
+    def run_rows(self, x_ND, plan: RoutingPlan):
+        """Rows in expert order -> the experts' outputs in the same order, wherever the experts live."""
+        call = self.layer.experts_call
+        if not isinstance(x_ND, torch.Tensor):
+            y_RD = call.rows(tree_map(lambda t: exchange.dispatch(t, plan), x_ND), plan.local_counts_e)
+            return tree_map(lambda y: exchange.combine(y, plan), y_RD)
+        x_sent, x_home = x_ND.split([x_ND.shape[0] - plan.num_shadow_rows, plan.num_shadow_rows])
+        # The pull starts first, so it travels while the other rows are dispatched and computed.
+        pull = self.shadowing and self.shadowing.pull(plan, fold=self.schedule_group_size is None)
+        if self.schedule_group_size is not None:
+            y_sent = scheduled_experts(self.layer.experts, x_sent, plan.exchange, self.schedule_group_size)
+        else:
+            x_RD = exchange.dispatch(x_sent, plan)
+            y_sent = exchange.combine((pull.run_local if pull else call.rows)(x_RD, plan.local_counts_e), plan)
+        return y_sent if pull is None else torch.cat([y_sent, pull.forward(x_home)])
+
+
+class DedupExchange(Exchange):
+    """A token once per destination rank ("rank"), or once per node and then per rank inside it ("node")."""
+
+    def __call__(self, x, plan: RoutingPlan, weight_TK: torch.Tensor):
+        self.check_input(x)
+        call, scheduled = self.layer.experts_call, self.schedule_group_size is not None
+        if scheduled and self.layer.fp32_combine and x.dtype != torch.float32:
+            raise ValueError(f"schedule=True with exchange='rank' sends the routing weights in the rows' dtype "
+                             f"({x.dtype}): it cannot keep fp32_combine=True's fp32 weights; use fp32 input")
+        # The pull starts first, so it travels while the other rows are dispatched and computed.
+        pull = self.shadowing and self.shadowing.pull(plan, fold=not scheduled)
+        run_here = None if pull is None or scheduled else pull.run_local
+        schedule = (self.schedule_group_size, list(self.layer.experts.parameters())) if scheduled else None
+        with self.sync_free():
+            y_TD = dedup.run_hop(plan.dedup, x, weight_TK, lambda x_QD, local, w_QK: call.tokens(x_QD, local, w_QK,
+                                                                                                   run_here),
+                                 self.layer.backend, schedule)
+        if pull is None:
+            return y_TD
+        return y_TD + call.tokens(x, plan.home, weight_TK, lambda x_SD, counts_S: pull.forward(x_SD))
+
+
+def make_dispatcher(layer, shadow_policy, schedule: bool):
+    """The layer's dispatcher, from its world size, exchange, shadowing, schedule and sync-free bound."""
+    if layer.world_size == 1:
+        return OneRank(layer)
+    shadowing = Shadowing(layer, shadow_policy) if shadow_policy is not None else None
+    kind = SlotExchange if layer.exchange == "slot" else DedupExchange
+    return kind(layer, layer.exchange, shadowing, layer.schedule_group_size if schedule else None,
+                layer.max_tokens_per_rank if layer.sync_free else None,
+                layer.node_group and layer.node_group.group)

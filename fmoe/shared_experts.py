@@ -1,0 +1,51 @@
+"""Shared experts: dense MLPs every token passes through, beside the routed ones (Qwen2-MoE's,
+DeepSeek's); optionally gated per token by sigmoid(x @ w)."""
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fmoe.experts import GroupedExperts
+
+
+def make_shared_experts(shared_expert, d_model: int, activation, bias: bool,
+                        recompute: str = "activation") -> Optional[nn.ModuleList]:
+    """FMoE's `shared_expert` argument as a ModuleList (None when there are none)."""
+    if shared_expert is None:
+        return None
+    if isinstance(shared_expert, nn.Module):
+        shared_expert = [shared_expert]
+    elif isinstance(shared_expert, int) and not isinstance(shared_expert, bool):
+        if shared_expert < 1:
+            raise ValueError(f"shared_expert as a d_hidden must be a positive int, got {shared_expert!r}")
+        shared_expert = [SharedExpertMLP(d_model, shared_expert, activation, bias, recompute)]
+    if not isinstance(shared_expert, (list, tuple, nn.ModuleList)) or not shared_expert or \
+            not all(isinstance(m, nn.Module) for m in shared_expert):
+        raise ValueError("shared_expert must be a module, a non-empty list of modules or a d_hidden int, "
+                         f"got {shared_expert!r}")
+    return nn.ModuleList(shared_expert)
+
+
+class SharedExpertMLP(nn.Module):
+    """One dense MLP, the routed experts' MLP without the routing (one expert of a GroupedExperts)."""
+
+    def __init__(self, d_model: int, d_hidden: int, activation="gelu", bias: bool = True,
+                 recompute: str = "activation"):
+        super().__init__()
+        self.mlp = GroupedExperts(1, d_model, d_hidden, activation, bias=bias, recompute=recompute)
+
+    def forward(self, x_TD):
+        if not self.mlp.lean:
+            return self.mlp.expert_forward(0, x_TD)
+        # Every token is one row of the single expert: it keeps x and the pre-activation only.
+        return self.mlp(x_TD, torch.full((1,), x_TD.shape[0], dtype=torch.int64, device=x_TD.device), lean=True)
+
+def add_shared(y_TD, x_TD: torch.Tensor, shared_experts: nn.ModuleList, gate: Optional[nn.Linear]) -> torch.Tensor:
+    """y_TD plus the shared experts' term: their summed output on x_TD, scaled by sigmoid(gate(x))
+    per token when there is a gate."""
+    if not isinstance(y_TD, torch.Tensor):
+        raise ValueError("shared_expert needs a single input tensor, not a tree of them")
+    shared_TD = sum(expert(x_TD) for expert in shared_experts)
+    if gate is not None:
+        shared_TD = torch.sigmoid(gate(x_TD)) * shared_TD
+    return y_TD + shared_TD
