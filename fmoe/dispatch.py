@@ -76,7 +76,9 @@ class Exchange(OneRank):
         super().__init__(layer)
         self.exchange_kind, self.shadowing = exchange_kind, shadowing
         self.schedule_group_size = schedule_group_size      # FasterMoE's smart schedule: its group size
-        self.bound, self.node_group = bound, node_group      # sync_free: rows to each rank, each node's group
+        # sync_free: rows to each rank; the node exchange's `NodeGroup` (held, not its process group: a
+        # deep copy of the layer shares it)
+        self.bound, self.node_group = bound, node_group
 
     def plan(self, routing: Routing) -> RoutingPlan:
         layer = self.layer
@@ -86,7 +88,7 @@ class Exchange(OneRank):
             return RoutingPlan.build(routing.expert_idx_TK, layer.tot_expert, layer.world_size, layer.moe_group,
                                      self.shadowing and self.shadowing.policy, exchange=self.exchange_kind,
                                      ranks_per_node=layer.ranks_per_node, traffic=layer.traffic, bound=self.bound,
-                                     node_group=self.node_group)
+                                     node_group=self.node_group and self.node_group.group)
 
     def sync_free(self):
         """Bounded: no host read anywhere in the step (compiled, it is sync-free anyway)."""
@@ -163,4 +165,4 @@ def make_dispatcher(layer, shadow_policy, schedule: bool):
     kind = SlotExchange if layer.exchange == "slot" else DedupExchange
     return kind(layer, layer.exchange, shadowing, layer.schedule_group_size if schedule else None,
                 layer.max_tokens_per_rank if layer.sync_free else None,
-                layer.node_group and layer.node_group.group)
+                layer.node_group)
