@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test docs test-compat test-modes aot test-megatron19 test-megatron-parallel clean
+.PHONY: test-fastmoe setup demo test docs test-compat test-modes aot test-megatron19 test-megatron-parallel clean
 
 # The venv sees the system site-packages so an installed torch (CPU or CUDA) is reused,
 # never replaced by a multi-GB download.
@@ -97,6 +97,14 @@ $(VENV19)/.installed: $(VENV)/.installed
 
 test-megatron19: $(VENV19)/.installed
 	$(VENV19)/bin/python -m pytest -q tests/test_megatron*.py
+
+# FastMoE's own single-process tests (a checkout of github.com/laekov/fastmoe: FASTMOE=path), unchanged, against
+# fmoe on the CPU: .cuda() is the identity there (tests/fastmoe_cpu_shim.py). Its multi-GPU tests skip themselves.
+FASTMOE ?= ../fastmoe
+FASTMOE_TESTS := test_mimo.py test_numerical.py test_dp.py test_gates.py test_zero.py test_swipe.py test_faster_gate.py
+test-fastmoe: setup
+	cd $(FASTMOE)/tests && PYTHONPATH=$(CURDIR) TRITON_INTERPRET=1 $(CURDIR)/$(BIN)/python -m pytest -q -p no:cacheprovider \
+	  -p tests.fastmoe_cpu_shim $(FASTMOE_TESTS)
 
 clean:
 	rm -rf $(VENV) $(VENV19) .venv-compat-oldest .venv-compat-newest runs site

@@ -17,6 +17,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+import types
 
 OLD_PATHS = {
     # the training application
@@ -72,8 +73,10 @@ class AliasLoader(importlib.abc.Loader):
         return importlib.import_module(self.target)
 
     def exec_module(self, module):
+        alias = module.__spec__.name
         # The import system gave the module the alias's spec; it keeps its own (reload, pickle, runpy).
         module.__spec__ = self.target_spec
+        keep_parent_attribute(alias)
 
     def get_code(self, fullname):
         """The new module's code, for `python -m <old path>` (runpy asks the loader for it)."""
@@ -81,6 +84,29 @@ class AliasLoader(importlib.abc.Loader):
 
     def is_package(self, fullname):
         return self.target_spec.submodule_search_locations is not None
+
+
+class KeepsItsNames(types.ModuleType):
+    """A package that keeps a name it binds to something other than its submodule of that name (the function
+    `convert` of `fmoe.integrations.hf`, from `convert.py`). After the first load of a name, the import system
+    sets the module as its parent's attribute; loading an old path (`fmoe.hf.convert`) is such a first load,
+    and would replace the function by the module."""
+
+    def __setattr__(self, name, value):
+        kept = self.__dict__.get(name)
+        if (isinstance(value, types.ModuleType) and value.__name__ == f"{self.__name__}.{name}"
+                and kept is not None and not isinstance(kept, types.ModuleType)):
+            return
+        super().__setattr__(name, value)
+
+
+def keep_parent_attribute(alias: str):
+    """Guard the parent package of an old path being loaded where it binds the leaf's name to a non-module."""
+    parent_name, _, leaf = alias.rpartition(".")
+    parent = sys.modules.get(parent_name)
+    kept = getattr(parent, "__dict__", {}).get(leaf)
+    if kept is not None and not isinstance(kept, types.ModuleType) and type(parent) is types.ModuleType:
+        parent.__class__ = KeepsItsNames
 
 
 class AliasFinder(importlib.abc.MetaPathFinder):

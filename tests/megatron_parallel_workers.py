@@ -153,12 +153,14 @@ def train(model, optimizer, steps=range(STEPS), save_after: Optional[tuple] = No
 
 
 def count_shadow_rows(chunks) -> list:
-    """A list that gathers the rows every fmoe layer computes on shadowed experts."""
+    """A list that gathers the rows every fmoe layer computes on shadowed experts (only a dispatcher
+    that exchanges one row per slot can shadow; the others compute none)."""
+    from fmoe.dispatch import SlotExchange
     from fmoe.layer import FMoE
 
     rows = []
     for chunk in chunks:
-        for moe in [m for m in chunk.modules() if isinstance(m, FMoE)]:
+        for moe in [m for m in chunk.modules() if isinstance(m, FMoE) and isinstance(m.dispatcher, SlotExchange)]:
             def counting(x_ND, plan, run=moe.dispatcher.run_rows):
                 rows.append(int(plan.num_shadow_rows))
                 return run(x_ND, plan)

@@ -8,6 +8,7 @@ import pickle
 import re
 import subprocess
 import sys
+import types
 import unittest.mock
 from pathlib import Path
 
@@ -75,7 +76,31 @@ def test_an_old_path_is_the_module_at_its_new_path(old, new):
     assert module.__name__ == new and module.__spec__.name == new      # the module keeps its own identity
     assert new_name(old) == new
     parent, _, leaf = old.rpartition(".")
-    assert getattr(sys.modules[parent], leaf) is module       # `import fmoe.stats; fmoe.stats.x`
+    attribute = getattr(sys.modules[parent], leaf)
+    if leaf in BOUND_TO_A_FUNCTION.get(new.rpartition(".")[0], ()):
+        assert callable(attribute) and not isinstance(attribute, types.ModuleType)
+    else:
+        assert attribute is module       # `import fmoe.stats; fmoe.stats.x`
+
+
+# Packages that bind a name to the function of their submodule of that name, as they did before #38.
+BOUND_TO_A_FUNCTION = {"fmoe.integrations.hf": ("convert", "export"), "fmoe.integrations.megatron": ("fmoefy",)}
+
+
+@pytest.mark.parametrize("package,names", BOUND_TO_A_FUNCTION.items())
+def test_importing_an_old_path_keeps_the_function_its_package_names_after_it(package, names):
+    module = importlib.import_module(package)
+    old_package = next(old for old, new in OLD_PATHS.items() if new == package)
+    for name in names:
+        function = getattr(module, name)
+        assert callable(function) and not isinstance(function, types.ModuleType)
+        sys.modules.pop(f"{old_package}.{name}", None)          # a first load under the old path
+        submodule = importlib.import_module(f"{old_package}.{name}")
+        assert submodule is sys.modules[f"{package}.{name}"]
+        assert getattr(module, name) is function
+        module.new_attribute = submodule                        # any other assignment still works
+        assert module.new_attribute is submodule
+        del module.new_attribute
 
 
 @pytest.mark.parametrize("path", FASTMOE_PATHS + modules_of("fmoe.gates")
