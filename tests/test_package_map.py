@@ -42,3 +42,19 @@ def test_every_package_imports_only_what_the_map_allows():
 
 def test_the_map_names_every_package():
     assert set(MAP) == {ENGINE} | {f"fmoe.{p}" for p in SUBPACKAGES}
+
+
+def test_a_module_over_400_lines_says_why_in_its_docstring():
+    """#38: no module above about 400 lines without a reason stated in its docstring ("About N lines ...")."""
+    import ast
+    import re
+    from pathlib import Path
+
+    unexplained = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "fmoe").rglob("*.py")):
+        source = path.read_text()
+        if source.count("\n") > 400:
+            docstring = ast.get_docstring(ast.parse(source)) or ""
+            if not re.search(r"About \d+ lines", docstring):
+                unexplained.append(f"{path.name}: {source.count(chr(10))} lines")
+    assert not unexplained, f"modules over 400 lines with no reason in their docstring: {unexplained}"

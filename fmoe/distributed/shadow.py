@@ -15,6 +15,9 @@ Blocking (`overlap=False`) sends the same buffers and waits at once: the numbers
 Any expert module shadows: a module list (`ModuleListExperts`: expert i is `experts[i]`)
 or stacked experts (every parameter [num_expert, ...], expert i its slice i, e.g. GroupedExperts
 with any activation). A remote expert with local index i has the shapes of this rank's expert i.
+
+About 400 lines in one module: the policy, the pull and the push are one protocol (what is pulled
+is what is pushed back, through the same flat buffers), and read together.
 """
 from dataclasses import dataclass
 from typing import Dict, List, Optional

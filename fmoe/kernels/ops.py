@@ -6,6 +6,9 @@ The last argument, `impl`, names the implementation: "torch" (CPU eager: loops o
 read on the host), "torch_sync_free" (counts stay on the device) or "triton"; each op runs its
 body through `fmoe.kernels.bodies` (bodies run eagerly even under compile: nothing here is
 traced). Arguments are checked before, at the seam (`fmoe.kernels`).
+
+About 400 lines, on purpose in one module: each op's forward, fake and backward are registered side by
+side, and the backwards call one another's ops, so the op graph reads in one place.
 """
 from typing import Optional, Tuple
 

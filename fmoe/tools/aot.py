@@ -11,6 +11,9 @@ Triton version), so a second run compiles nothing that did not change.
     python -m fmoe.tools.aot --out benchmarks/results/kernels-aot.json
 
 Triton must not run in its interpreter here (TRITON_INTERPRET unset): this module jits for GPUs.
+
+About 400 lines in one module: a tool run on its own, whose parts (launch specs, compile, cache, report)
+serve nothing else.
 """
 import argparse
 import contextlib
