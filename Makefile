@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: test-fastmoe setup demo test docs test-compat test-modes aot test-megatron19 test-megatron-parallel clean
+.PHONY: setup demo test docs test-8-ranks test-compat test-modes aot test-megatron19 test-megatron-parallel test-fastmoe clean
 
 # The venv sees the system site-packages so an installed torch (CPU or CUDA) is reused,
 # never replaced by a multi-GB download.
@@ -62,6 +62,10 @@ test-compat: .venv-compat-oldest/.installed .venv-compat-newest/.installed
 	  .venv-compat-$$v/bin/python -c 'import torch, triton, numpy, transformers, pytest; print("'$$v':", *(f"{m.__name__} {m.__version__}" for m in (torch, triton, numpy, transformers, pytest)))' && \
 	  OMP_NUM_THREADS=1 .venv-compat-$$v/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) -k '$(COMPAT_SKIP)' || exit 1; \
 	done
+
+# The exchanges at 8 gloo ranks (two and four nodes) against one process; CI runs it after `make test`.
+test-8-ranks: setup
+	FMOE_TEST_8_RANKS=1 $(BIN)/python -m pytest -q tests/test_exchange.py -k "8-"
 
 # Every gate and preset x train / eval x capacity x grad, compiled with Inductor against eager; router
 # replay compiled for every gate and preset, and at 4 ranks.
