@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test docs test-8-ranks test-compat test-modes aot test-megatron19 test-megatron-parallel test-fastmoe clean
+.PHONY: setup demo test docs test-8-ranks test-compat test-gpu-stack test-modes aot test-megatron19 test-megatron-parallel test-fastmoe clean
 
 # The venv sees the system site-packages so an installed torch (CPU or CUDA) is reused,
 # never replaced by a multi-GB download.
@@ -67,6 +67,24 @@ test-compat: .venv-compat-oldest/.installed .venv-compat-newest/.installed
 test-8-ranks: setup
 	FMOE_TEST_8_RANKS=1 $(BIN)/python -m pytest -q tests/test_exchange.py -k "8-"
 
+# The GPU machine's releases (torch 2.11, Triton 3.6, whose interpreter needs numpy < 2.4, the newest
+# transformers), on the CPU: the compat tests plus what a GPU run first leans on (fullgraph compile, the
+# launch counts, the HF "fmoe" experts, the Hopper kernel under the interpreter). torch 2.11's PyPI wheel
+# is a CUDA build, about 5 GB with its libraries; not run by CI for that reason.
+GPU_STACK       := torch==2.11.0 triton==3.6.0 'numpy<2.4' transformers pytest pytest-timeout
+GPU_STACK_TESTS := $(COMPAT_TESTS) tests/test_launches.py tests/test_hf_convert.py tests/test_triton_tma.py \
+                   tests/test_layer_path.py tests/test_stats.py tests/test_replay.py
+
+.venv-gpu-stack/.installed: setup.py
+	rm -rf .venv-gpu-stack
+	$(PYTHON) -m venv .venv-gpu-stack
+	.venv-gpu-stack/bin/pip install --quiet -e . $(GPU_STACK)
+	touch $@
+
+test-gpu-stack: .venv-gpu-stack/.installed
+	.venv-gpu-stack/bin/python -c 'import torch, triton, numpy, transformers; print(*(f"{m.__name__} {m.__version__}" for m in (torch, triton, numpy, transformers)))'
+	OMP_NUM_THREADS=1 .venv-gpu-stack/bin/python -m pytest -q -p no:cacheprovider $(GPU_STACK_TESTS) -k '$(COMPAT_SKIP)'
+
 # Every gate and preset x train / eval x capacity x grad, compiled with Inductor against eager; router
 # replay compiled for every gate and preset, and at 4 ranks.
 test-modes: setup
@@ -111,4 +129,4 @@ test-fastmoe: setup
 	  -p tests.fastmoe_cpu_shim $(FASTMOE_TESTS)
 
 clean:
-	rm -rf $(VENV) $(VENV19) .venv-compat-oldest .venv-compat-newest runs site
+	rm -rf $(VENV) $(VENV19) .venv-compat-oldest .venv-compat-newest .venv-gpu-stack runs site

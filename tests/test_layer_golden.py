@@ -13,6 +13,10 @@ from tests.layer_golden import canary, path_of, run_world
 
 def golden(world: int) -> dict:
     saved = torch.load(path_of(world))
+    if saved["torch"] != str(torch.__version__):
+        # Another torch may differ in its kernels (silu) and its bf16 random draws: the saved results
+        # hold for the torch that wrote them (CI's), and `--write` makes them for another.
+        pytest.skip(f"results saved under torch {saved['torch']}, this is {torch.__version__}")
     # Another CPU may round a GEMM otherwise: then the comparison can only be close.
     saved["bitwise"] = torch.equal(saved["canary"], canary())
     return saved
