@@ -73,7 +73,7 @@ test-8-ranks: setup
 # is a CUDA build, about 5 GB with its libraries; not run by CI for that reason.
 GPU_STACK       := torch==2.11.0 triton==3.6.0 'numpy<2.4' transformers pytest pytest-timeout
 GPU_STACK_TESTS := $(COMPAT_TESTS) tests/test_launches.py tests/test_hf_convert.py tests/test_triton_tma.py \
-                   tests/test_layer_path.py tests/test_stats.py tests/test_replay.py
+                   tests/test_layer_path.py tests/test_stats.py tests/test_replay.py tests/test_triton_tuning.py
 
 .venv-gpu-stack/.installed: setup.py
 	rm -rf .venv-gpu-stack

@@ -7,13 +7,14 @@ Operands are read through their strides, so a transposed weight view costs no co
 input rows may be gathered through an index (`rows_N`), so a permuted copy need not exist.
 """
 import functools
-import inspect
 import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from fmoe.kernels import triton_tuning
 
 
 def interpreting() -> bool:
@@ -230,29 +231,13 @@ def fit_epilogue(configs, block_n=None, accumulators: int = 1):
             if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * accumulators <= 64 * 32 * c.num_warps] or configs[-1:]
 
 
-def _tuning_options() -> dict:
-    """Shorter timing per config than Triton's default (25 ms warm-up, 100 ms), and, where Triton has
-    it (3.2 and later), the best config kept on disk: a shape an earlier process tuned is not tuned again."""
-    params = inspect.signature(triton.autotune).parameters
-    if "do_bench" not in params:        # Triton 3.0: the timing as arguments
-        return {"warmup": 5, "rep": 20}
-    from triton.testing import do_bench
-    options = {"do_bench": lambda call, quantiles: do_bench(call, warmup=5, rep=20, quantiles=quantiles)}
-    if "cache_results" in params:
-        options["cache_results"] = True
-    return options
-
-
-_TUNING = _tuning_options()
-
-
 @functools.lru_cache(maxsize=None)
 def _tuned(kernel, generation: str, mode: str, autotune: bool, key: tuple, epilogue: Optional[tuple]):
     """`kernel` autotuned over its configs (fitted to an `epilogue` (block_n, accumulators)), keyed on `key`."""
     configs = gpu_configs(generation, mode, autotune)
     if epilogue is not None:
         configs = fit_epilogue(gpu_configs(generation, mode, True), *epilogue)[:len(configs)]
-    return triton.autotune(configs, key=list(key), **_TUNING)(kernel)
+    return triton_tuning.autotune(kernel, configs, key)
 
 
 

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from fmoe.env import env_flag
 from fmoe.kernels import triton_grouped_mm as gmm
+from fmoe.kernels import triton_tuning
 from fmoe.kernels.triton_grouped_mm import _config, _dot_args, _swizzle, dot_mode, interpreting
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) per dot mode; the first is the one
@@ -199,8 +200,8 @@ def ensure_allocator():
 
 @functools.lru_cache(maxsize=None)
 def _tuned(mode: str, autotune: bool):
-    return triton.autotune(tma_configs(mode, autotune), key=["I", "O", "GATHER", "W_TRANSPOSED"], **gmm._TUNING)(
-        _grouped_mm_tma_kernel)
+    return triton_tuning.autotune(_grouped_mm_tma_kernel, tma_configs(mode, autotune),
+                                  ("I", "O", "GATHER", "W_TRANSPOSED"))
 
 
 def grouped_mm_tma_launch(x_XI, w_eIO, counts_e, rows_N, bias_eO, y_NO):
