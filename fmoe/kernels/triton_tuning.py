@@ -2,8 +2,8 @@
 a new shape compiled at once.
 
 Triton's autotuner compiles a config the first time it times it, one after the other: a bf16 SwiGLU
-layer's first forward+backward on sm_90 compiles 23 (kernel, config) pairs that way (44 s on a
-2-core host, `python -m fmoe.tools.aot`). `autotune` hands Triton's autotuner a hook instead: when it
+layer's first forward+backward on sm_90 compiles 23 (kernel, config) pairs that way (16.6 s on a
+2-core host, `python benchmarks/bench_first_compile.py`). `autotune` hands Triton's autotuner a hook instead: when it
 meets a new shape, all the configs it is about to time are compiled together on a thread pool
 (Triton's own `AsyncCompileMode`; ptxas and the MLIR passes run outside the GIL), and the timing
 then finds them compiled. The launches are the autotuner's own (same arguments, same options), so
@@ -60,9 +60,10 @@ def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
 
 def compile_together(fn, args: tuple, meta: dict, configs) -> bool:
     """Compile `fn` for each of `configs` as the autotuner's launch `fn.run(*args, **meta, **config)`
-    would, on the pool, and wait for all of them. False (nothing done) where this Triton cannot, or
-    where one thread is asked for, or inside another AsyncCompileMode (Triton allows one). A config that fails to compile is left to fail again, the same way,
-    when the autotuner times it (which scores it as unusable)."""
+    would, on the pool, and wait for all of them. False (nothing done) where this Triton cannot, where
+    one thread is asked for, or inside another AsyncCompileMode (Triton allows one). A config that
+    fails to compile is left to fail again, the same way, when the autotuner times it (which scores
+    it as unusable)."""
     threads = min(compile_threads(), len(configs))
     if (AsyncCompileMode is None or threads < 2 or not isinstance(fn, triton.runtime.JITFunction)
             or active_mode.get() is not None):
@@ -90,7 +91,7 @@ class CompileTogether(triton.runtime.Autotuner):
 
     def _bench(self, *args, config, **meta):
         configs, self.fmoe_to_compile = getattr(self, "fmoe_to_compile", None), None
-        if configs and len(configs) > 1:
+        if configs:
             compile_together(self.fn, args, meta, configs)
         return super()._bench(*args, config=config, **meta)
 
