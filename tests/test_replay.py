@@ -316,7 +316,9 @@ def test_split_trace_replays_micro_batches_as_the_whole_batch():
         assert len(micro[""]) == 1 and micro[""][0].shape == (4, 2)
         with fmoe.replay_routing(parts, micro):
             pieces.append(parts(x_mb))
-    torch.testing.assert_close(torch.cat(pieces), out, rtol=1e-6, atol=1e-7)
+    # fp32's tolerance: a GEMM over 4 rows may round otherwise than over 12 (the CPU's blocking differs);
+    # one expert chosen otherwise would move an output by about its own size.
+    torch.testing.assert_close(torch.cat(pieces), out)
 
 
 def test_each_of_2_ranks_replays_its_tokens_as_one_process_and_megatron_names_layers_globally():
