@@ -36,8 +36,8 @@ def compare(ranks_now, saved):
                         f"{where}: not bit-identical (max diff {(got.double() - expected.double()).abs().max()})"
                 else:
                     # Close to the precision of the dtype: one bf16 ulp of a gradient is 0.4% of it.
-                    tight = {} if expected.dtype in (torch.bfloat16, torch.float16) else {"atol": 1e-5, "rtol": 1e-5}
-                    torch.testing.assert_close(got, expected, **tight, msg=lambda m: f"{where}: {m}")
+                    tolerance = {} if expected.dtype in (torch.bfloat16, torch.float16) else {"atol": 1e-5, "rtol": 1e-5}
+                    torch.testing.assert_close(got, expected, **tolerance, msg=lambda m: f"{where}: {m}")
 
 
 def test_one_rank_is_bit_identical_to_the_saved_results():
