@@ -14,6 +14,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fmoe.app.checkpoints import CheckpointError, unreadable
+from fmoe.distributed import safe_load
+from fmoe.distributed.safe_load import UnsafeCheckpointError
 
 FMOE_EXPERT = re.compile(r"^(?P<layer>.+)\.experts\.(?P<param>w1_eDF|w2_eFD|b1_eF|b2_eD)@expert(?P<g>\d+)$")
 USER_EXPERT = re.compile(r"\.experts\.\d+\.")     # a user expert module's tensor, by global id
@@ -88,11 +90,12 @@ def add_tensors(ckpt: MoECheckpoint, tensors: Dict[str, torch.Tensor], where: st
 
 
 def read_fmoe(path: str) -> MoECheckpoint:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = safe_load.read_metadata(path)
+    except UnsafeCheckpointError:
+        raise
     except Exception as err:        # pickle's and EOF errors of a damaged file
         raise unreadable("checkpoint metadata", os.path.join(path, ".metadata"), "pickle", err) from err
     check_shard_sizes(path, metadata.storage_data)
@@ -103,7 +106,7 @@ def read_fmoe(path: str) -> MoECheckpoint:
         raise ValueError(f"SRC {path!r}: no model/ tensors in this checkpoint")
     try:
         with single_process():
-            dcp.load(tensors, checkpoint_id=path, no_dist=True)
+            safe_load.load(tensors, path, no_dist=True)
     except CheckpointException as err:
         cause = next(iter(err.failures.values()))[0]
         raise unreadable("checkpoint", path, "torch.distributed.checkpoint", cause) from err

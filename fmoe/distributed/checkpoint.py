@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from fmoe.distributed import safe_load
 from fmoe.experts import ModuleListExperts
 from fmoe.layer import FMoE
 
@@ -87,7 +88,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
                     extra_keys=()) -> dict:
     """Load into `model` (and `optimizer`) at this run's expert-parallel size; returns the extras."""
     no_dist = not dist.is_initialized()
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stored = safe_load.read_metadata(path).state_dict_metadata
     target = checkpoint_state(model)
     missing = [k for k in target if k not in stored]
     if missing:
@@ -111,7 +112,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         target[f"extra/{key}"] = stored_placeholder(stored, f"extra/{key}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(target, checkpoint_id=path, no_dist=no_dist)
+        safe_load.load(target, path, no_dist=no_dist)
     if optimizer is not None:
         for (p, sname), (stacked, entries) in optim_slots.items():
             values = list(entries.values())

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fmoe.distributed.checkpoint import PARAM_GROUPS_KEY, _entries, _expert_slices, _state_names
+from fmoe.distributed import safe_load
 from fmoe.distributed.groups import ParallelGroups
 from fmoe.layer import FMoE
 
@@ -116,7 +117,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     """Load any fmoe checkpoint into a `shard_model` model (and its optimizer) at this run's layout.
 
     Optimizer states are created where the optimizer has none yet (as after `optimizer.step()`)."""
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stored = safe_load.read_metadata(path).state_dict_metadata
     slices = _expert_slices(model)
     if optimizer is not None:
         _create_optimizer_states(model, optimizer, stored, slices)
@@ -137,7 +138,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         raise ValueError(f"checkpoint {path} lacks {len(missing)} entries this model needs, e.g. {missing[:3]}")
     if optimizer is not None:
         target[PARAM_GROUPS_KEY] = [{} for _ in optimizer.param_groups]
-    dcp.load(target, checkpoint_id=path)
+    safe_load.load(target, path)
     with torch.no_grad():
         for tensor, whole in experts:
             if isinstance(tensor, DTensor):

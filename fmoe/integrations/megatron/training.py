@@ -26,6 +26,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
+from fmoe.distributed import safe_load
 from fmoe.integrations.megatron import cpu_compat
 from fmoe.load_balancing import register_bias_update_if_needed
 
@@ -281,6 +282,7 @@ def load_checkpoint(path: str, model, optimizer=None, rng: bool = True) -> int:
         raise ValueError(f"checkpoint {path!r}: no {LATEST} there; is it a folder save_checkpoint wrote?")
     with open(latest) as f:
         folder = os.path.join(path, f"iter_{int(f.read()):07d}")
+    safe_load.verify_folder(folder)      # Megatron unpickles the folder plainly: refuse a hostile one first
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True, rng=rng), folder)
     for key, chunk in zip(_model_keys(model), _chunks(model)):
         _unwrap(chunk).load_state_dict(loaded[key])
