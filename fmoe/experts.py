@@ -2,7 +2,7 @@
 import functools
 import inspect
 import math
-from typing import Callable, Optional, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +10,7 @@ from torch import nn
 
 from fmoe import kernels
 from fmoe.kernels import torch_ops
+from fmoe.layer_checks import check_fits
 
 ACTIVATIONS = ("gelu", "relu", "swiglu")
 # What the experts keep for backward: the pre-activation ("activation", the default), nothing
@@ -169,6 +170,11 @@ class FMoELinear(nn.Module):
     def __init__(self, num_expert: int, in_feat: int, out_feat: int, bias: bool = True, rank: int = 0):
         super().__init__()
         self.num_expert, self.in_feat, self.out_feat, self.rank = num_expert, in_feat, out_feat, rank
+        tensors = [("weight", (num_expert, out_feat, in_feat), 1)]
+        if bias:
+            tensors.append(("bias", (num_expert, out_feat), 1))
+        check_fits(f"FMoELinear(num_expert={num_expert}, in_feat={in_feat}, out_feat={out_feat})", "its weights need",
+                   tensors)
         self.weight = nn.Parameter(torch.empty(num_expert, out_feat, in_feat))
         self.bias = nn.Parameter(torch.empty(num_expert, out_feat)) if bias else None
         _uniform_(self.weight, in_feat)
@@ -180,6 +186,15 @@ class FMoELinear(nn.Module):
 
     def extra_repr(self):
         return f"num_expert={self.num_expert}, in_features={self.in_feat}, out_features={self.out_feat}, bias={self.bias is not None}"
+
+
+def expert_shapes(num_expert: int, d_model: int, d_hidden: int, gated: bool, bias: bool) -> Dict[str, Tuple[int, ...]]:
+    """GroupedExperts' parameters by name, their shapes: what it allocates, known before it does."""
+    width1 = 2 * d_hidden if gated else d_hidden
+    shapes = {"w1_eDF": (num_expert, d_model, width1), "w2_eFD": (num_expert, d_hidden, d_model)}
+    if bias:
+        shapes.update(b1_eF=(num_expert, width1), b2_eD=(num_expert, d_model))
+    return shapes
 
 
 class GroupedExperts(nn.Module):
@@ -200,11 +215,13 @@ class GroupedExperts(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.num_expert, self.d_model, self.d_hidden = num_expert, d_model, d_hidden
         self.activation = resolve_activation(activation)
-        width1 = 2 * d_hidden if is_gated(self.activation) else d_hidden
-        self.w1_eDF = nn.Parameter(torch.empty(num_expert, d_model, width1))
-        self.w2_eFD = nn.Parameter(torch.empty(num_expert, d_hidden, d_model))
-        self.b1_eF = nn.Parameter(torch.empty(num_expert, width1)) if bias else None
-        self.b2_eD = nn.Parameter(torch.empty(num_expert, d_model)) if bias else None
+        shapes = expert_shapes(num_expert, d_model, d_hidden, is_gated(self.activation), bias)
+        check_fits(f"{type(self).__name__}(num_expert={num_expert}, d_model={d_model}, d_hidden={d_hidden})",
+                   "the experts' weights need", [(name, shape, 1) for name, shape in shapes.items()])
+        self.w1_eDF = nn.Parameter(torch.empty(shapes["w1_eDF"]))
+        self.w2_eFD = nn.Parameter(torch.empty(shapes["w2_eFD"]))
+        self.b1_eF = nn.Parameter(torch.empty(shapes["b1_eF"])) if bias else None
+        self.b2_eD = nn.Parameter(torch.empty(shapes["b2_eD"])) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self):

@@ -22,13 +22,14 @@ from fmoe.distributed.schedule import group_size_from_env, schedule_enabled_by_e
 from fmoe.distributed.shadow import make_shadow_policy
 from fmoe.distributed.timeout import set_current_layer
 from fmoe.expert_calls import experts_call
-from fmoe.experts import GroupedExperts, ModuleListExperts, check_recompute
+from fmoe.experts import GroupedExperts, ModuleListExperts, check_recompute, expert_shapes, is_gated, resolve_activation
 from fmoe.fastmoe.state import rename_router, stack_experts
 from fmoe.gates import BaseGate, NaiveGate, make_gate
 from fmoe.gates.base import Routing, accepts_keyword, routing_from_fastmoe_gate
 from fmoe.last_forward import ForgetsLastForward
-from fmoe.layer_checks import (check_activation, check_mask, check_sync_free, check_world, is_plain_module_gate,
-                               positive_int, resolve_num_expert, resolve_slice_group)
+from fmoe.layer_checks import (check_activation, check_fits, check_mask, check_sync_free, check_world,
+                               is_plain_module_gate, positive_int, resolve_num_expert, resolve_slice_group,
+                               router_tensors)
 from fmoe.routing import RoutingPlan, check_exchange
 from fmoe.shared_experts import add_shared, make_shared_experts
 from fmoe.observe.stats import RoutingTally
@@ -100,6 +101,8 @@ class FMoE(ForgetsLastForward, nn.Module):
             gate_kwargs.setdefault("ranks_per_node", ranks_per_node_of(self.world_size, ranks_per_node))
         if isinstance(gate, str) or isinstance(gate, type) and accepts_keyword(gate, "gate_bias"):
             gate_kwargs.setdefault("gate_bias", gate_bias)
+        check_weights_fit(self, gate, gate_kwargs.get("gate_bias", gate_bias), expert, d_hidden, activation,
+                          expert_bias)
         if is_plain_module_gate(gate):
             # FastMoE accepts any module class built as gate(d_model, num_expert, world_size, top_k)
             # whose forward returns (topk_idx, topk_val).
@@ -308,6 +311,19 @@ class FMoE(ForgetsLastForward, nn.Module):
     def num_dropped(self) -> int:
         """Slots dropped by the capacity limit in the last forward."""
         return 0 if self.last_num_dropped is None else int(self.last_num_dropped)
+
+
+def check_weights_fit(layer: FMoE, gate, gate_bias, expert, d_hidden, activation, expert_bias):
+    """The router and the stacked experts `layer` is about to make, refused before either is made
+    when they cannot be (`fmoe.layer_checks.check_fits`)."""
+    tensors = router_tensors(gate, layer.d_model, layer.tot_expert, gate_bias)
+    if expert is None and d_hidden is not None:
+        gated = is_gated(resolve_activation(activation))
+        tensors += [(name, shape, 1) for name, shape in
+                    expert_shapes(layer.num_expert, layer.d_model, d_hidden, gated, expert_bias).items()]
+    hidden = "" if d_hidden is None else f", d_hidden={d_hidden}"
+    check_fits(f"{type(layer).__name__}(num_expert={layer.num_expert}, d_model={layer.d_model}{hidden})",
+               "the layer's weights need", tensors)
 
 
 def routing_of_gate(gate: BaseGate, x) -> Routing:

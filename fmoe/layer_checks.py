@@ -1,9 +1,19 @@
 """The layer's constructor arguments, checked: each bad value named with what was expected."""
+import math
+import os
+from typing import List, Optional, Tuple
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fmoe.gates import BaseGate
+from fmoe.gates import GATES, BaseGate
+
+# Tensors to be made, as (part, shape, count): `count` tensors of `shape`, summed under `part` in messages.
+Tensors = List[Tuple[str, Tuple[int, ...], int]]
+INDEXABLE_BYTES = 2 ** 63 - 1       # torch counts a tensor's storage in int64 bytes
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
+ROUTER_GATES = tuple(cls for name, cls in GATES.items() if name != "zero")     # those building a [E, D] router
 
 
 def positive_int(name: str, value, meaning: str = "") -> int:
@@ -113,3 +123,75 @@ def check_mask(mask, mask_dict):
     if 0 in mask_dict:
         raise ValueError("mask_dict cannot hold 0: mask 0 marks the tokens that are routed")
     return mask, mask_dict
+
+def format_bytes(n: int) -> str:
+    """A byte count for a person: 512 B, 1.5 KiB, 12.0 TiB."""
+    power = 0
+    while power + 1 < len(BYTE_UNITS) and n >= 1024 ** (power + 1):
+        power += 1
+    return f"{n} B" if power == 0 else f"{n / 1024 ** power:.1f} {BYTE_UNITS[power]}"
+
+
+def router_tensors(gate, d_model: int, tot_expert: int, bias: bool) -> Tensors:
+    """The router an fmoe gate given by name or class builds, [E, D] (+ [E]); a gate instance is built
+    already, and the zero gate or another class may hold anything, so they count nothing."""
+    cls = GATES.get(gate.lower()) if isinstance(gate, str) else gate
+    if not (isinstance(cls, type) and issubclass(cls, ROUTER_GATES)):
+        return []
+    return [("router", (tot_expert, d_model), 1)] + ([("router", (tot_expert,), 1)] if bias else [])
+
+
+def available_ram() -> Optional[int]:
+    """Bytes the CPU can still give: MemAvailable plus free swap on Linux, else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return sum(int(fields[key].split()[0]) * 1024 for key in ("MemAvailable", "SwapFree"))
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def memory_room(device: torch.device) -> Optional[Tuple[int, str]]:
+    """(bytes new tensors can take on `device`, those words for a message), None where unknown. A CUDA
+    device this process already uses: its free memory and what torch's cache holds unused; one it does
+    not use yet: its whole memory (asking for the free memory would open a context on it)."""
+    if device.type == "cpu":
+        ram = available_ram()
+        return None if ram is None else (ram, "free on cpu")
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        cached = torch.cuda.memory_reserved(index)
+        if cached:
+            return torch.cuda.mem_get_info(index)[0] + cached - torch.cuda.memory_allocated(index), f"free on {device}"
+        return torch.cuda.get_device_properties(index).total_memory, f"on {device} in all"
+    return None
+
+
+def check_fits(named: str, what: str, tensors: Tensors, dtype: Optional[torch.dtype] = None,
+               device=None, copies: int = 1):
+    """Sizes that cannot be allocated, refused before any allocation with a ValueError naming `named`
+    (the arguments that set them): a tensor of more bytes than torch can index, or `tensors` (in `dtype`
+    on `device`, torch's defaults when None), `copies` times, above the memory `device` has left. The
+    meta device holds no memory: there only the first applies. `what` says what needs the bytes."""
+    if dtype is None or device is None:
+        probe = torch.empty(0)      # where and how a parameter is made now (a torch.device("meta") block too)
+        dtype, device = dtype or probe.dtype, device or probe.device
+    device = torch.device(device)
+    parts = {}
+    for part, shape, count in tensors:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > INDEXABLE_BYTES:
+            raise ValueError(f"{named}: {part} {list(shape)} would be {format_bytes(nbytes)}, more than torch can "
+                             "index in one tensor (2**63 - 1 bytes)")
+        parts[part] = parts.get(part, 0) + nbytes * count
+    room = None if device.type == "meta" else memory_room(device)
+    total = sum(parts.values())
+    if room is None or total * copies <= room[0]:
+        return
+    listed = ", ".join(f"{part} {format_bytes(n)}" for part, n in sorted(parts.items(), key=lambda kv: -kv[1]))
+    need = format_bytes(total) if copies == 1 else f"{copies} x {format_bytes(total)} = {format_bytes(total * copies)}"
+    raise ValueError(f"{named}: {what} {need} ({listed}), more than the {format_bytes(room[0])} {room[1]}")

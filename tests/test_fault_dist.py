@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import fmoe
 from tests import dist_workers
@@ -75,6 +77,47 @@ def test_fault_zero_tokens_on_a_rank_with_every_gate():
 def test_invalid_layer_arguments_fail_at_construction(kwargs, named):
     with pytest.raises(ValueError, match=named):
         fmoe.FMoE(**{"num_expert": 2, "d_model": D, "d_hidden": H, **kwargs})
+
+
+class LargestTensor(TorchDispatchMode):
+    """While active: the bytes of the largest tensor any op made, factories (torch.empty) included."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.nbytes = max([self.nbytes, *sizes])
+        return out
+
+
+@pytest.mark.parametrize("build,named,why", [
+    (lambda: fmoe.FMoETransformerMLP(d_hidden=2 ** 40),
+     "FMoETransformerMLP(num_expert=32, d_model=1024, d_hidden=1099511627776): the layer's weights need",
+     "more than the"),
+    (lambda: fmoe.FMoETransformerMLP(d_hidden=2 ** 60), "d_hidden=1152921504606846976): w1_eDF",
+     "more than torch can index"),
+    (lambda: fmoe.FMoE(num_expert=2 ** 40, d_model=D), "FMoE(num_expert=1099511627776, d_model=8): ", "router"),
+    (lambda: fmoe.GroupedExperts(2, D, 2 ** 40), "GroupedExperts(num_expert=2, d_model=8, d_hidden=1099511627776)",
+     "more than the"),
+    (lambda: fmoe.FMoELinear(2, D, 2 ** 40), "FMoELinear(num_expert=2, in_feat=8, out_feat=1099511627776)",
+     "more than the"),
+], ids=["FMoETransformerMLP", "beyond-int64", "FMoE-router", "GroupedExperts", "FMoELinear"])
+def test_invalid_sizes_that_cannot_fit_are_named_before_any_allocation(build, named, why):
+    with LargestTensor() as made, pytest.raises(ValueError) as err:
+        build()
+    assert named in str(err.value) and why in str(err.value), err.value
+    assert made.nbytes < 2 ** 20
+
+
+def test_sizes_beyond_the_memory_still_build_on_the_meta_device():
+    with torch.device("meta"):
+        layer = fmoe.FMoETransformerMLP(d_hidden=2 ** 40)
+    assert layer.experts.w1_eDF.is_meta and layer.experts.w1_eDF.shape == (32, 1024, 2 ** 40)
+    with torch.device("meta"), pytest.raises(ValueError, match="d_hidden=1152921504606846976.*more than torch can"):
+        fmoe.FMoETransformerMLP(d_hidden=2 ** 60)
 
 
 @pytest.mark.parametrize("name,value", [

@@ -3,6 +3,7 @@ step, corrupt / truncated / empty / foreign checkpoints, invalid options. Signal
 FMOE_FAULT test hook at a chosen phase, so every case is deterministic."""
 import errno
 import json
+import math
 import os
 import shutil
 import signal
@@ -19,7 +20,10 @@ from fmoe.app.checkpoints import CheckpointError
 from fmoe.app.cli import main
 from fmoe.app.data import load_corpus
 from fmoe.app.evaluation import harmonic_mean
+from fmoe.app.gpt import GPT, GPTConfig, parameter_tensors
+from fmoe.gates import GATES
 from tests.fs_utils import in_user_namespace, needs_tmpfs
+from tests.test_fault_dist import LargestTensor
 
 TINY = ["--d-model", "16", "--layers", "1", "--heads", "1", "--seq-len", "16", "--num-expert", "2",
         "--d-hidden", "16", "--batch-size", "2"]
@@ -345,6 +349,32 @@ def test_invalid_train_option_is_refused_naming_it(corpus, tmp_path, capsys, arg
         train(corpus, tmp_path, 2, *args)
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, named, why", [
+    (["--d-model", "1000000000"], "--d-model 1000000000: attention [3000000000, 1000000000]",
+     "more than torch can index"),
+    (["--num-expert", "1000000000"], "--num-expert 1000000000: training", "more than the"),
+    (["--d-hidden", "100000000000"], "--d-hidden 100000000000: training", "more than the"),
+], ids=["d-model", "num-expert", "d-hidden"])
+def test_invalid_sizes_that_cannot_fit_are_one_line_before_anything_is_allocated(corpus, tmp_path, capsys, args,
+                                                                                  named, why):
+    with LargestTensor() as made, pytest.raises(SystemExit) as exit_info:
+        train(corpus, tmp_path / "run", 2, *args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"fmoe train: error: {named}") and why in err, err
+    assert made.nbytes < 2 ** 20
+
+
+@pytest.mark.parametrize("gate", sorted(GATES))
+def test_the_size_check_counts_the_gpts_parameters(gate):
+    """What `fmoe train` checks before building the model is what the model holds (the noisy gate's
+    second [D, E] weight aside: there the check counts less, never more)."""
+    cfg = GPTConfig(seq_len=8, d_model=16, n_layer=2, n_head=2, num_expert=4, d_hidden=24, gate=gate)
+    counted = sum(math.prod(shape) * count for _, shape, count in parameter_tensors(cfg))
+    held = sum(p.numel() for p in GPT(cfg).parameters())
+    assert counted == held - (cfg.n_layer * (cfg.d_model * cfg.num_expert - cfg.num_expert) if gate == "noisy" else 0)
 
 
 def unwritable_folder(tmp_path):

@@ -205,8 +205,8 @@ def run_hf_train(args):
 
 
 def run_train(args):
-    from fmoe.app.gpt import GPTConfig
-    from fmoe.app.runtime import Interrupted, TrainConfig, launched_by_torchrun
+    from fmoe.app.gpt import GPTConfig, check_training_fits
+    from fmoe.app.runtime import Interrupted, TrainConfig, launched_by_torchrun, resolve_device
     from fmoe.app.train import train
 
     check_train_args(args)
@@ -222,6 +222,8 @@ def run_train(args):
                       save_every=args.save_every, keep=args.keep, resume_from=args.resume_from,
                       compile=args.compile, log=args.log,
                       model_flags={field: flag(name) for name, field in MODEL_OPTIONS.items() if field in given})
+    if args.hf_model is None:       # sizes that cannot fit: one line here, not an allocation's traceback
+        check_training_fits(model_cfg, resolve_device(args.device), args.ep_size, cfg.model_flags)
     if args.nproc != 1 and not launched_by_torchrun():
         return relaunch_with_torchrun(args.nproc)
     if args.keep_freed_memory:          # each rank, before the model's first allocation

@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fmoe.experts import expert_shapes
 from fmoe.layer import FMoE, collect_aux_loss
+from fmoe.layer_checks import Tensors, check_fits, router_tensors
 from fmoe.transformer import FMoETransformerMLP
 
 
@@ -36,6 +38,45 @@ class GPTConfig:
         if (not isinstance(self.aux_coef, (int, float)) or isinstance(self.aux_coef, bool)
                 or not math.isfinite(self.aux_coef) or self.aux_coef < 0):
             raise ValueError(f"aux_coef must be a finite number >= 0, got {self.aux_coef!r}")
+
+
+# The fields that set the parameters' sizes.
+SIZE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_layer", "num_expert", "d_hidden")
+
+
+def parameter_tensors(cfg: GPTConfig, ep_size: int = 1) -> Tensors:
+    """The parameters `GPT(cfg, ep_size)` makes on one rank, as `fmoe.layer_checks` counts them,
+    known without building it (the router: the one fmoe's gates build, [E, D] and a bias)."""
+    D, L = cfg.d_model, cfg.n_layer
+    experts = expert_shapes(cfg.num_expert // ep_size, D, cfg.d_hidden, gated=False, bias=True)
+    return [("embeddings", (cfg.vocab_size, D), 1), ("embeddings", (cfg.seq_len, D), 1),
+            ("layer norms", (D,), 4 * L + 2),
+            ("attention", (3 * D, D), L), ("attention", (3 * D,), L), ("attention", (D, D), L), ("attention", (D,), L),
+            *[("routers", shape, L) for _, shape, _ in router_tensors(cfg.gate, D, cfg.num_expert, bias=True)],
+            *[("experts", shape, L) for shape in experts.values()]]
+
+
+def size_names(cfg: GPTConfig, flags: dict) -> str:
+    """The sizes as the user gave them: the options above their default, else every size option given,
+    else the config's size fields."""
+    given = [name for name in SIZE_FIELDS if name in flags]
+    grown = [name for name in given if getattr(cfg, name) > getattr(GPTConfig, name)]
+    if given:
+        return ", ".join(f"{flags[name]} {getattr(cfg, name)}" for name in grown or given)
+    return ", ".join(f"{name}={getattr(cfg, name)}" for name in SIZE_FIELDS)
+
+
+def check_training_fits(cfg: GPTConfig, device: torch.device, ep_size: int = 1, flags: Optional[dict] = None):
+    """A model whose training cannot fit on `device`, refused before anything is allocated: the
+    parameters, their gradients and AdamW's two moments (4 x the parameters; activations come on top);
+    the model is built on the CPU first, so off the CPU the parameters must fit there too. The message
+    names the sizes by `flags` (GPTConfig field -> the option that gave it)."""
+    named = size_names(cfg, flags or {})
+    tensors = parameter_tensors(cfg, ep_size)
+    check_fits(named, "training (the parameters, their gradients and AdamW's two moments) needs", tensors,
+               device=device, copies=4)
+    if device.type != "cpu":
+        check_fits(named, "building the model on the CPU needs", tensors, device="cpu")
 
 
 class CausalSelfAttention(nn.Module):

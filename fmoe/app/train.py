@@ -21,7 +21,7 @@ from fmoe.app.data import BatchSampler, load_corpus
 from fmoe.app.evaluation import (evaluate, harmonic_mean, imbalance, load_share, open_dashboards,  # noqa: F401
                                  plot_history, sample_text, smoothed)
 from fmoe.app.files import WriteError, check_writable_folder, save_torch, write_json
-from fmoe.app.gpt import GPT, GPTConfig
+from fmoe.app.gpt import GPT, GPTConfig, check_training_fits
 from fmoe.app.runtime import (FAULT_PHASES, Interrupted, StopOnSignal, TrainConfig, all_ranks_agree,  # noqa: F401
                               autocast, end_with_parent, init_distributed, launched_by_torchrun, mean_over_ranks,
                               parse_fault, resolve_device)
@@ -111,6 +111,7 @@ class Trainer:
         self.log(f"corpus: {self.corpus.source}: {self.corpus.num_files} files, {self.corpus.num_bytes / 2**20:.2f} MiB"
             f"{' (capped)' if self.corpus.truncated else ''}")
 
+        check_training_fits(model_cfg, self.device, cfg.ep_size, cfg.model_flags)     # a resumed config too
         torch.manual_seed(cfg.seed)
         if self.groups:
             self.model = GPT(model_cfg, self.groups.ep_size, self.groups.moe_group)
