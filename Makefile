@@ -3,17 +3,33 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test docs test-8-ranks test-compat test-gpu-stack test-modes aot test-megatron19 test-megatron-parallel test-fastmoe clean
+.PHONY: setup check-setup demo test docs test-8-ranks test-compat test-gpu-stack test-modes aot test-megatron19 test-megatron-parallel test-fastmoe clean
 
-# The venv sees the system site-packages so an installed torch (CPU or CUDA) is reused,
-# never replaced by a multi-GB download.
-$(VENV)/.installed: setup.py constraints.txt
+# One pip install, so torch is installed at most once. The venv sees the system site-packages: an installed
+# torch (CPU or CUDA) is pinned as it is, never replaced, and triton follows it. Where there is none, TORCH (the
+# release .ci/run installs and CI tests) is resolved together with everything else: PyPI's Linux wheel is a
+# CUDA build (with its CUDA libraries, several GB); TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the
+# CPU build (under 200 MB). fmoe/tools/setup_constraints.py settles torch and triton in constraints.txt.
+TORCH       ?= 2.13.0
+TORCH_INDEX ?=
+
+$(VENV)/.installed: setup.py constraints.txt fmoe/tools/setup_constraints.py
 	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch
-	$(BIN)/pip install -e '.[test,docs]' -c constraints.txt
+	$(BIN)/python fmoe/tools/setup_constraints.py constraints.txt --torch $(TORCH) > $(VENV)/constraints.txt
+	$(BIN)/pip install -e '.[test,docs]' -c $(VENV)/constraints.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	touch $@
 
 setup: $(VENV)/.installed
+
+# What a machine without torch would install (pip's dry run in a venv of its own, no system packages): torch
+# once, at TORCH, resolved together with constraints.txt. CI runs it.
+check-setup:
+	rm -rf .venv-check-setup
+	$(PYTHON) -m venv .venv-check-setup
+	.venv-check-setup/bin/python fmoe/tools/setup_constraints.py constraints.txt --torch $(TORCH) > .venv-check-setup/constraints.txt
+	.venv-check-setup/bin/pip install --quiet --dry-run --report .venv-check-setup/report.json '.[test,docs]' -c .venv-check-setup/constraints.txt
+	.venv-check-setup/bin/python fmoe/tools/setup_constraints.py --torch $(TORCH) --check-report .venv-check-setup/report.json
+	@echo "check-setup: a machine without torch installs torch $(TORCH) once"
 
 demo: setup
 	$(BIN)/fmoe train
