@@ -163,4 +163,5 @@ def test_every_docs_requirement_is_pinned_in_the_constraints():
               if "==" in line and not line.startswith("#")}
     assert wanted and wanted <= pinned, wanted - pinned
     assert {"mkdocstrings-python", "griffelib"} <= pinned
-    assert "'.[test,docs]' -c constraints.txt" in (ROOT / "Makefile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert "setup_constraints.py constraints.txt" in makefile and "'.[test,docs]' -c $(VENV)/constraints.txt" in makefile
