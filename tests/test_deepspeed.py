@@ -18,7 +18,7 @@ import fmoe  # noqa: E402
 import fmoe.integrations.deepspeed as fds  # noqa: E402
 from fmoe.distributed.ddp import DistributedGroupedDataParallel  # noqa: E402
 from fmoe.distributed.groups import ParallelGroups  # noqa: E402
-from tests.dist_utils import exit_without_teardown, free_port  # noqa: E402
+from tests.dist_utils import exit_without_teardown, free_port, init_gloo_from_env  # noqa: E402
 
 VOCAB, D, H, T, BATCH, STEPS, LR = 32, 16, 32, 8, 4, 6, 3e-2
 
@@ -114,6 +114,7 @@ def _entry(rank, world, port, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    init_gloo_from_env()                           # DeepSpeed takes the group made here
     deepspeed.init_distributed(dist_backend="gloo")
     try:
         fn(rank, world, *args)

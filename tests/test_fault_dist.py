@@ -16,15 +16,14 @@ from torch.utils._pytree import tree_leaves
 
 import fmoe
 from tests import dist_workers
-from tests.dist_utils import exit_without_teardown, run_ranks
+from tests.dist_utils import exit_without_teardown, init_gloo_with_retry, run_ranks
 
 D, H = dist_workers.D, dist_workers.H
 
 
 def _entry(rank, world, store, fn, args):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
+    init_gloo_with_retry(rank, world, dist.FileStore(store, world), timeout=timedelta(seconds=30))
     fn(rank, world, *args)
     exit_without_teardown()        # no destroy_process_group: a peer may be stopped
 

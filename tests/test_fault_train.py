@@ -508,9 +508,10 @@ def _resume_on_rank(rank, world, corpus, root, ports):
     from fmoe.app.gpt import GPTConfig
     from fmoe.app.runtime import Interrupted, TrainConfig
     from fmoe.app.train import train as run
-    from tests.dist_utils import exit_without_teardown
+    from tests.dist_utils import exit_without_teardown, retry_gloo_init_in_this_process
 
     torch.set_num_threads(1)
+    retry_gloo_init_in_this_process()              # init_distributed's gloo connect, retried if refused
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1")
     ports = iter(ports)
