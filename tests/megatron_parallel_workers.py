@@ -3,10 +3,11 @@ Megatron layout (pipeline, virtual pipeline, tensor + sequence, expert, data par
 initial checkpoint, on one global batch a step, writing its losses and its final checkpoint for
 the test to hold against the single-process run; then the same GPT with Megatron-Core's own
 MoELayer (TopKRouter, alltoall dispatcher, SequentialMLP experts, local spec) from the same
-weights, at the same layout, on the same batches."""
+weights, at the same layout, on the same batches, with SGD (see PEER_LR)."""
 import json
 import os
 from typing import Optional
+from unittest import mock
 
 import torch
 
@@ -30,6 +31,16 @@ ROUTINGS = {
                            moe_aux_loss_coeff=0.1),
 }
 RESUME_AT = 1          # every layout saves a checkpoint after this many steps
+# Megatron's MoE is held to fmoe under plain SGD, not Adam. Adam steps each weight by about lr * g / |g|: a
+# gradient near 0 whose last bits round otherwise (another CPU's kernels, another reduction order) moves its
+# weight by up to 2 * lr, so the losses after a step differ by far more than fp32 rounding (8.9e-5 at step 3
+# on another x86 CPU), and a gradient wrong by a constant factor goes unseen. SGD steps each weight by
+# lr * g: gradients that differ by rounding (relative ~1e-7, |g| ~0.7, below the clip of 1) move the weights
+# apart by lr * 0.7 * 1e-7 ~ 4e-8 and the next loss by ~|g| * 4e-8 ~ 3e-8, under one ulp of the ~4.1 loss
+# (4.8e-7). So every step's loss is only the forward pass's fp32 rounding apart, as the first step's is (same
+# weights): 2e-5 (40 ulps) leaves room for another CPU's kernels. An expert gradient 10% too large moves step
+# 3's loss by 1.5e-3 (Adam's comparison passed it), a router gradient of 0 by 2.3e-4.
+PEER_LR = 0.5
 BIAS_SPEED = ROUTINGS["deepseek"]["moe_router_bias_update_rate"]
 
 
@@ -90,6 +101,21 @@ def build_gpt(routing: str = "deepseek", megatron_moe: bool = False, shadow: boo
         spec = get_gpt_layer_with_fmoe_spec(gate="megatron")
     return training.model_chunks(lambda **stage: GPTModel(config=config, transformer_layer_spec=spec,
                                                          vocab_size=VOCAB, max_sequence_length=SEQ, **stage))
+
+
+def wrap_sgd(chunks):
+    """training.wrap with Megatron's SGD (lr PEER_LR, no momentum) where it builds Adam."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from fmoe.integrations.megatron import training
+
+    def sgd(**options):
+        return OptimizerConfig(**{**options, "optimizer": "sgd", "sgd_momentum": 0.0})
+
+    with mock.patch.object(training, "OptimizerConfig", sgd):
+        model, optimizer = training.wrap(chunks, lr=PEER_LR)
+    assert all(type(o.optimizer) is torch.optim.SGD for o in optimizer.chained_optimizers), optimizer
+    return model, optimizer
 
 
 @torch.no_grad()
@@ -180,8 +206,9 @@ def start(name: str):
 
 def run_layout(name: str, out_dir: str, init_ckpt: Optional[str], routings=("deepseek",)):
     """Train STEPS steps at layout `name` (from `init_ckpt` if given, else saving the initial weights
-    there) with fmoe's MLP, its final state to out_dir/<name>/final; then, for each routing, fmoe's
-    and Megatron's MoE from the initial weights. Rank 0 writes the results."""
+    there) with fmoe's MLP, its final state to out_dir/<name>/final; then, for each routing, Megatron's
+    MoE from the initial weights with SGD (and, in one process, fmoe's MLP alike: the layouts' Megatron
+    runs are held to it). Rank 0 writes the results."""
     import torch.distributed as dist
 
     from fmoe.integrations.megatron import training
@@ -197,15 +224,15 @@ def run_layout(name: str, out_dir: str, init_ckpt: Optional[str], routings=("dee
     result = train(model, optimizer, save_after=(RESUME_AT, os.path.join(out_dir, name, "resume")))
     result["shadow_rows"] = sum(shadow_rows)
     training.save_checkpoint(os.path.join(out_dir, name, "final"), model, optimizer, STEPS)
-    result["megatron"] = {}
+    result["megatron"], result["fmoe_sgd"] = {}, {}
     for routing in routings:
         fmoe_chunks = build_gpt(routing)
         training.load_checkpoint(init_ckpt, fmoe_chunks, None, rng=False)
         megatron_chunks = build_gpt(routing, megatron_moe=True)
         copy_into_megatron_moe(fmoe_chunks, megatron_chunks)
-        if routing != "deepseek":
-            result[routing] = train(*training.wrap(fmoe_chunks, lr=1e-2))
-        result["megatron"][routing] = train(*training.wrap(megatron_chunks, lr=1e-2))
+        if name == "single":
+            result["fmoe_sgd"][routing] = train(*wrap_sgd(fmoe_chunks))
+        result["megatron"][routing] = train(*wrap_sgd(megatron_chunks))
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, name, "result.json"), "w") as f:
             json.dump(result, f)

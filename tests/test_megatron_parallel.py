@@ -6,7 +6,8 @@ x tensor x expert layout), trains 3 steps of 4 micro-batches and saves its final
 means: the loss of every step, every parameter and balancing bias after the last step, and the
 load-balancing loss, z-loss and tokens per expert of every layer as Megatron's MoE tracker logs them. The router
 moves a balancing bias once per global batch, whatever the micro-batches and stages in flight.
-At each layout Megatron-Core's own MoELayer, built from the same weights, trains alike; and
+At each layout Megatron-Core's own MoELayer, built from the same weights, trains as fmoe's MLP does in
+one process (both with SGD: Adam would turn rounding into lr-sized steps, workers.PEER_LR); and
 checkpoints saved at one layout after a step resume at another as the one process continues.
 
 `make test` runs the 2-rank subset (1F1B + interleaved virtual stages, 2 ranks); the 4- and
@@ -83,8 +84,9 @@ def assert_equal_to_one_process(out_dir, name, *same_launch):
     assert layout["losses"] == pytest.approx(single["losses"], abs=2e-5), (name, layout["losses"], single["losses"])
     assert single["losses"][-1] < single["losses"][0], "the model learns"
     assert_same_final_state(name, layout, single)
-    megatron = layout["megatron"]["deepseek"]
-    assert megatron["losses"] == pytest.approx(layout["losses"], abs=2e-5), (name, "Megatron's MoE", megatron["losses"])
+    megatron, fmoe_sgd = layout["megatron"]["deepseek"], single["fmoe_sgd"]["deepseek"]
+    assert megatron["losses"] == pytest.approx(fmoe_sgd["losses"], abs=2e-5), \
+        (name, "Megatron's MoE", megatron["losses"], fmoe_sgd["losses"])
     biases = [k for k in single["final"] if k.endswith("e_score_correction_bias")]
     assert biases and all(single["final"][k].abs().max() > 0 for k in biases), "the balancing biases moved"
     for step in range(workers.STEPS):
@@ -119,10 +121,10 @@ EIGHT_RANKS = ("pp2_tp2_ep2", "pp2_tp2_ep2_from_pp2_vpp2_ep2")
 @pytest.mark.parametrize("routing", sorted(workers.ROUTINGS))
 def test_megatron_moe_layer_trains_like_fmoe_from_the_same_weights(out_dir, routing):
     """Megatron-Core's MoELayer (TopKRouter, alltoall dispatcher, SequentialMLP) and fmoe's MLP with
-    gate="megatron", one process: the same loss at every step, the expert bias moved alike."""
+    gate="megatron", one process, SGD (workers.PEER_LR): the same loss at every step, the expert bias
+    moved alike."""
     single, = run(out_dir, "single")
-    fmoe = single if routing == "deepseek" else single[routing]
-    megatron = single["megatron"][routing]
+    fmoe, megatron = single["fmoe_sgd"][routing], single["megatron"][routing]
     assert megatron["losses"] == pytest.approx(fmoe["losses"], abs=2e-5), (routing, megatron, fmoe)
     assert fmoe["losses"][-1] < fmoe["losses"][0]
     assert megatron["bias_moves"] == fmoe["bias_moves"]
