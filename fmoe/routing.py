@@ -15,7 +15,8 @@ import torch.distributed._functional_collectives as fc
 from fmoe.distributed.exchange import (ExchangePlan, Traffic, build_exchange_plan, functional_group,
                                        ranks_per_node_of, row_bytes)
 from fmoe.distributed.shadow import ShadowPlan
-from fmoe.distributed.timeout import current_layer, wait
+from fmoe.distributed import link
+from fmoe.distributed.timeout import current_layer
 
 EXCHANGES = ("slot", "rank", "node")
 
@@ -158,7 +159,8 @@ class Hop:
 
 def _all_to_all(x, send_splits, recv_splits, group, what):
     out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-    wait(dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True), what)
+    link.complete(dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True),
+                  what, link.all_to_all_bytes(send_splits, recv_splits, row_bytes(x), dist.get_rank(group)))
     return out
 
 

@@ -25,10 +25,12 @@ hop's `overflow` (a device tensor, equal on every rank) that the layer reports.
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from torch.utils._pytree import tree_map
 
 from fmoe import kernels
+from fmoe.distributed import link
 from fmoe.distributed.exchange import AllToAll, functional_group, row_bytes
 from fmoe.routing import Hop, RoutingPlan
 
@@ -41,7 +43,11 @@ def send(hop: Hop, x, what: str, kind: str):
         hop.traffic.add(kind, False, hop.send_splits_W, row_bytes(x))
         if x.requires_grad:
             hop.traffic.add(kind, True, hop.recv_splits_W, row_bytes(x))
-    return fc.all_to_all_single_autograd(x.contiguous(), None, None, functional_group(hop.group))
+    out = fc.all_to_all_single_autograd(x.contiguous(), None, None, functional_group(hop.group))
+    if not torch.compiler.is_compiling() and link.active_link() is not None:    # eager: the link's delay, in line
+        link.complete(None, what, link.all_to_all_bytes(hop.send_splits_W, hop.recv_splits_W, row_bytes(x),
+                                                        dist.get_rank(hop.group)))
+    return out
 
 
 def send_back(hop: Hop, y, what: str):

@@ -13,7 +13,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from fmoe.distributed.timeout import current_layer, wait
+from fmoe.distributed import link
+from fmoe.distributed.timeout import current_layer
 
 
 KINDS = ("dispatch", "combine", "routing")     # token rows out, expert outputs back, routing metadata
@@ -86,7 +87,9 @@ def exchange_counts(counts_E: torch.Tensor, world_size: int, group=None, traffic
     """Everyone tells everyone how many rows it sends to each expert: returns recv_counts_We."""
     send = counts_E.reshape(world_size, -1).contiguous()
     recv = torch.empty_like(send)
-    wait(dist.all_to_all_single(recv, send, group=group, async_op=True), f"{current_layer()}: counts all-to-all")
+    ones = [1] * world_size
+    link.complete(dist.all_to_all_single(recv, send, group=group, async_op=True), f"{current_layer()}: counts all-to-all",
+                  link.all_to_all_bytes(ones, ones, row_bytes(send), dist.get_rank(group)))
     if traffic is not None:
         traffic.add("routing", False, [1] * world_size, row_bytes(send))
     return recv
@@ -133,7 +136,8 @@ class AllToAll(torch.autograd.Function):
         ctx.splits, ctx.group, ctx.what = (send_splits, recv_splits), group, what
         ctx.traffic, ctx.kind = traffic, kind
         out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-        wait(dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True), what)
+        link.complete(dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True),
+                      what, link.all_to_all_bytes(send_splits, recv_splits, row_bytes(x), dist.get_rank(group)))
         if traffic is not None:
             traffic.add(kind, backward, send_splits, row_bytes(x))
         return out

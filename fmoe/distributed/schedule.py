@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fmoe.distributed.exchange import ExchangePlan, expert_major_order
-from fmoe.distributed.timeout import wait
+from fmoe.distributed.link import Pending, all_to_all_bytes, start
 from fmoe.env import env_flag, env_int
 
 DISPATCH, COMBINE, GRAD_OUT, GRAD_IN = 0, 1, 2, 3      # message tags, one per direction of travel
@@ -60,9 +60,9 @@ class _Ring:
         return [(self.rank + o) % self.world for o in self.steps[step]]
 
     def post(self, step, outgoing, out_offsets, out_splits, out_peers, incoming, in_offsets, in_splits,
-             in_peers, tag) -> list:
+             in_peers, tag) -> Pending:
         """Asynchronous sends of outgoing[rows for each out peer] and receives into incoming."""
-        works = []
+        works, sent, received = [], [0] * self.world, [0] * self.world
         for dst, src in zip(out_peers, in_peers):
             if dst == self.rank:
                 n = out_splits[dst]
@@ -71,10 +71,14 @@ class _Ring:
             if in_splits[src]:
                 works.append(dist.irecv(incoming[in_offsets[src]:in_offsets[src] + in_splits[src]],
                                         src=self.peer(src), group=self.group, tag=tag))
+                received[src] = in_splits[src]
             if out_splits[dst]:
                 works.append(dist.isend(outgoing[out_offsets[dst]:out_offsets[dst] + out_splits[dst]].contiguous(),
                                         dst=self.peer(dst), group=self.group, tag=tag))
-        return works
+                sent[dst] = out_splits[dst]
+        row = outgoing.shape[1:].numel() * outgoing.element_size()
+        return start(works, "the smart schedule's point-to-point exchange",
+                     all_to_all_bytes(sent, received, row, self.rank))
 
     def chunk_rows(self, step: int) -> torch.Tensor:
         """Positions in the receive buffer of the rows computed at `step`, in expert-major order
@@ -94,9 +98,9 @@ class _Ring:
         return self.recv_counts_We[self.sources(step)].sum(0)
 
 
-def _wait(works):
-    for w in works:
-        wait(w, "the smart schedule's point-to-point exchange")
+def _wait(pendings):
+    for pending in pendings if isinstance(pendings, list) else [pendings]:
+        pending.wait()
 
 
 class ScheduledExperts(torch.autograd.Function):
@@ -124,8 +128,8 @@ class ScheduledExperts(torch.autograd.Function):
                 outputs = y_chunk.new_empty(received.shape[0], y_chunk.shape[1])
                 y_sent = y_chunk.new_empty(x_sent.shape[0], y_chunk.shape[1])
             outputs[rows] = y_chunk.detach()
-            combine_works += ring.post(step, outputs, ring.recv_offsets, ring.recv_splits, ring.sources(step),
-                                       y_sent, ring.send_offsets, ring.send_splits, ring.dests(step), COMBINE)
+            combine_works.append(ring.post(step, outputs, ring.recv_offsets, ring.recv_splits, ring.sources(step),
+                                       y_sent, ring.send_offsets, ring.send_splits, ring.dests(step), COMBINE))
         _wait(combine_works)
         ctx.ring, ctx.chunks, ctx.params = ring, chunks, params
         ctx.out_width = y_sent.shape[1]
@@ -157,9 +161,9 @@ class ScheduledExperts(torch.autograd.Function):
                     grad_received = grad_x_chunk.new_empty(grad_outputs.shape[0], grad_x_chunk.shape[1])
                     grad_x_sent = grad_x_chunk.new_empty(grad_y_sent.shape[0], grad_x_chunk.shape[1])
                 grad_received[rows] = grad_x_chunk
-                return_works += ring.post(step, grad_received, ring.recv_offsets, ring.recv_splits,
-                                          ring.sources(step), grad_x_sent, ring.send_offsets, ring.send_splits,
-                                          ring.dests(step), GRAD_IN)
+                return_works.append(ring.post(step, grad_received, ring.recv_offsets, ring.recv_splits,
+                                              ring.sources(step), grad_x_sent, ring.send_offsets, ring.send_splits,
+                                              ring.dests(step), GRAD_IN))
             for i, g in enumerate(grads):
                 if g is not None:
                     param_grads[i] = g if param_grads[i] is None else param_grads[i] + g

@@ -29,6 +29,7 @@ from torch.func import functional_call
 
 from fmoe.distributed import timeout
 from fmoe.distributed.groups import global_rank
+from fmoe.distributed.link import start
 from fmoe.env import env_flag
 from fmoe.perf.perfmodel import PerfModel
 
@@ -178,25 +179,29 @@ class GradientPush:
         """`pool`: where the owner's receive buffers come from (default: fresh ones)."""
         pool = BufferPool(per_tag=0) if pool is None else pool
         self.grads, self.owners, self.group = grads, owners, group
-        self.works, self.received = [], []
+        self.received = []
+        what = f"{timeout.current_layer()}: shadowed experts' gradient push"
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
         if dist.get_backend(group) != "gloo":
-            self.works = [dist.reduce(g, dst=global_rank(group, o), group=group, async_op=True)
-                          for g, o in zip(grads, owners)]
+            self.pending = start([dist.reduce(g, dst=global_rank(group, o), group=group, async_op=True)
+                                  for g, o in zip(grads, owners)], what, nbytes)
             return
         me, world = dist.get_rank(group), dist.get_world_size(group)
+        works, sent = [], 0
         for g, o in zip(grads, owners):
             if o != me:
-                self.works.append(dist.isend(g, dst=global_rank(group, o), group=group))
+                works.append(dist.isend(g, dst=global_rank(group, o), group=group))
+                sent += g.numel() * g.element_size()
                 continue
             for r in range(world):
                 if r != me:
                     self.received.append(pool.take(f"push:{o}:from:{r}", g.numel(), g).view_as(g))
-                    self.works.append(dist.irecv(self.received[-1], src=global_rank(group, r), group=group))
+                    works.append(dist.irecv(self.received[-1], src=global_rank(group, r), group=group))
+        received = sum(g.numel() * g.element_size() for g in self.received)
+        self.pending = start(works, what, max(sent, received))
 
-    def wait(self, what: str = "gradient push"):
-        for w in self.works:
-            timeout.wait(w, f"{timeout.current_layer()}: {what}")
-        self.works = []
+    def wait(self):
+        self.pending.wait()
         if self.received:
             mine = self.grads[self.owners.index(dist.get_rank(self.group))]
             for g in self.received:
@@ -211,7 +216,7 @@ class _Link:
         self.group, self.overlap = group, overlap
         self.owners: List[int] = []
         self.buffers: List[torch.Tensor] = []
-        self.works: list = []                   # the pull's broadcasts
+        self.pending = None                     # the pull's broadcasts in flight
         self.push: Optional[GradientPush] = None
         self.grads: List[torch.Tensor] = []
         self.owned_sizes: List[int] = []        # numel of each tensor this rank owns, in buffer order
@@ -220,11 +225,11 @@ class _Link:
         self.pool = BufferPool(per_tag=0)           # fresh buffers, unless the caller's pool is given
 
     def wait(self):
-        for w in self.works:
-            timeout.wait(w, f"{timeout.current_layer()}: shadowed experts' parameter pull")
-        self.works = []
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
         if self.push is not None:
-            self.push.wait("shadowed experts' gradient push")
+            self.push.wait()
             self.push = None
 
 
@@ -356,8 +361,10 @@ class ShadowPull:
                     torch.cat([v.reshape(-1) for v in owned], out=buf)
             link.buffers.append(buf)
         self.templates = templates
-        link.works = [dist.broadcast(b, src=global_rank(group, o), group=group, async_op=True)
-                      for b, o in zip(link.buffers, link.owners)]
+        link.pending = start([dist.broadcast(b, src=global_rank(group, o), group=group, async_op=True)
+                              for b, o in zip(link.buffers, link.owners)],
+                             f"{timeout.current_layer()}: shadowed experts' parameter pull",
+                             sum(b.numel() * b.element_size() for b in link.buffers))
         if not overlap:
             link.wait()
         link.fold = self.fold

@@ -10,7 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from fmoe.distributed.timeout import collective_timeout, wait
+from fmoe.distributed import link
+from fmoe.distributed.timeout import collective_timeout
 
 BIAS_UPDATES = ("step", "forward")
 BALANCE_GROUPS = ("world", "local")
@@ -71,7 +72,9 @@ def reduce_over_replicas(counts: torch.Tensor, group, what: str) -> torch.Tensor
     if torch.compiler.is_compiling():
         dist.all_reduce(counts, group=group)
         return counts
-    wait(dist.all_reduce(counts, group=group, async_op=True),
-         f"{what} (an all-reduce of {counts.numel()} load counts over {dist.get_world_size(group)} ranks, "
-         f"timeout {collective_timeout().total_seconds():g} s)")
+    world = dist.get_world_size(group)
+    link.complete(dist.all_reduce(counts, group=group, async_op=True),
+                  f"{what} (an all-reduce of {counts.numel()} load counts over {world} ranks, "
+                  f"timeout {collective_timeout().total_seconds():g} s)",
+                  link.all_reduce_bytes(counts.numel() * counts.element_size(), world))
     return counts

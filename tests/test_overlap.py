@@ -1,0 +1,49 @@
+"""Communication hidden behind compute (#48): the simulated link, and the overlap modes equal to "none"."""
+import json
+
+import pytest
+
+from fmoe.distributed import link
+from tests import overlap_workers
+from tests.dist_utils import run_ranks
+
+
+def test_overlap_link_spec_parses_and_bad_specs_name_the_variable(monkeypatch):
+    assert link.parse_link("gbps=10,latency_us=50") == link.Link(10.0, 50.0)
+    assert link.parse_link(" gbps = 2.5 ") == link.Link(2.5, 0.0)
+    for bad, named in [("latency_us=5", "gbps=G"), ("gbps=fast", "gbps must be a number"),
+                       ("gbps=1,speed=2", "unknown part"), ("gbps=0", "positive"), ("gbps=1,latency_us=-1", ">= 0")]:
+        with pytest.raises(ValueError, match=named):
+            link.parse_link(bad)
+    monkeypatch.setenv(link.ENV, "gbps=8,latency_us=100")
+    assert link.active_link() == link.Link(8.0, 100.0)
+    with link.simulated_link(None):
+        assert link.active_link() is None, "simulated_link(None) turns the variable's link off inside"
+    with link.simulated_link(1.0):
+        assert link.active_link() == link.Link(1.0, 0.0)
+    monkeypatch.delenv(link.ENV)
+    assert link.active_link() is None
+
+
+def test_overlap_link_seconds_are_latency_plus_bytes_over_bandwidth():
+    assert link.Link(8.0, 250.0).seconds(10**9) == pytest.approx(250e-6 + 1.0)
+    assert link.all_to_all_bytes([5, 3, 7], [1, 9, 2], 16, rank=1) == max(5 + 7, 1 + 2) * 16
+    assert link.all_reduce_bytes(1000, 4) == 1500
+
+
+def test_overlap_simulated_link_makes_a_collective_of_b_bytes_take_at_least_b_over_g(tmp_path):
+    out = tmp_path / "took.json"
+    run_ranks(overlap_workers.time_an_all_to_all, 2, 2048, 64, 0.02, 20_000.0, str(out))
+    took = json.loads(out.read_text())
+    floor = link.Link(0.02, 20_000.0).seconds(took["bytes"])      # 512 KiB at 20 Mbit/s + 20 ms: 0.23 s
+    assert took["bytes"] == 2048 * 64 * 4
+    assert took["seconds"] >= floor, took
+
+
+def test_overlap_simulated_link_delay_is_paid_at_the_wait_so_work_between_hides_it(tmp_path):
+    """1 s of link and 0.8 s of work between start and wait: about 1 s in all, not 1.8 s."""
+    out = tmp_path / "took.json"
+    rows, width = 4096, 61          # 999,424 bytes each way: 1.0 s at 8 Mbit/s
+    run_ranks(overlap_workers.wait_pays_the_delay, 2, 0.8, 0.008, rows, width, str(out))
+    took = json.loads(out.read_text())["seconds"]
+    assert 0.99 <= took < 1.5, took
