@@ -4,10 +4,14 @@ The layer builds one when it is built, from its world size and `exchange=`, and 
 which it has. Every dispatcher has one interface:
 
     plan = dispatcher.plan(routing)                 # rows in expert order and, across ranks, the exchange
-    y_TD = dispatcher(x, plan, routing.weight_TK)   # dispatch -> experts -> combine
+    y_TD = dispatcher(x, plan, routing.weight_TK, alongside)   # dispatch -> experts -> combine
 
 `y_TD[t]` is the sum over token t's slots of weight * expert(x[t]). The experts are called through
 the layer's `experts_call` (`fmoe.expert_calls`: lean or plain, decided when the experts are set).
+`alongside` (a `SharedTerm`) is the layer's work that needs nothing of the exchange (the shared
+experts): with `overlap="shared"` an exchange runs it while its dispatch travels, and in the backward
+autograd runs its gradient while the rows' gradients travel back; else the layer runs it afterwards.
+Both orders compute the same tensors, so the outputs and gradients are bit-identical.
 
 - `OneRank`: the experts are all here; the call is the experts' on the tokens.
 - `SlotExchange` (exchange="slot"): one row per (token, expert) slot travels to the expert's rank
@@ -19,7 +23,7 @@ Across ranks, FasterMoE's shadowing (`Shadowing`: hot experts' parameters pulled
 where the tokens are) and its smart schedule are properties of the dispatcher, fixed when it is built.
 """
 import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_map
@@ -32,6 +36,19 @@ from fmoe.distributed.shadow import BufferPool, ShadowPull
 from fmoe.gates.base import Routing
 from fmoe.gates.load_state import in_recompute
 from fmoe.routing import RoutingPlan
+from fmoe.shared_experts import NO_SHARED_TERM, SharedTerm
+
+OVERLAP_MODES = ("auto", "none", "shared")
+
+
+def resolve_overlap(overlap, world_size: int) -> str:
+    """`overlap=` as the layer runs it: "auto" is "shared" across ranks (exact, and it pays whenever the
+    dispatch takes time: the shared experts run while it travels), "none" on one rank (nothing travels)."""
+    if overlap not in OVERLAP_MODES:
+        raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {overlap!r}")
+    if overlap == "auto":
+        return "shared" if world_size > 1 else "none"
+    return overlap
 
 
 class Shadowing:
@@ -64,7 +81,7 @@ class OneRank:
     def plan(self, routing: Routing) -> RoutingPlan:
         return RoutingPlan.build(routing.expert_idx_TK, self.layer.tot_expert)
 
-    def __call__(self, x, plan: RoutingPlan, weight_TK: torch.Tensor):
+    def __call__(self, x, plan: RoutingPlan, weight_TK: torch.Tensor, alongside: SharedTerm = NO_SHARED_TERM):
         return self.layer.experts_call.tokens(x, plan, weight_TK)
 
 
@@ -79,6 +96,31 @@ class Exchange(OneRank):
         # sync_free: rows to each rank; the node exchange's `NodeGroup` (held, not its process group: a
         # deep copy of the layer shares it)
         self.bound, self.node_group = bound, node_group
+        # overlap="shared": the dispatch is started, the layer's work alongside runs, then it is waited for
+        self.overlap_shared = layer.overlap == "shared"
+
+    def start_dispatch(self, x_ND, plan: RoutingPlan, kind: str = "dispatch") -> exchange.InFlight:
+        if self.overlap_shared:
+            return exchange.start_dispatch(x_ND, plan, kind)
+        return exchange.InFlight(exchange.dispatch(x_ND, plan, kind))
+
+    def travelling(self, alongside: SharedTerm):
+        """The dispatch is started: under overlap="shared" the work alongside runs now, while it travels."""
+        if self.overlap_shared:
+            alongside.run()
+
+    def meanwhile(self, alongside: SharedTerm) -> Optional[Callable[[], None]]:
+        """What runs while the first rows travel (None: nothing; the exchange then runs in line): the
+        work alongside, as the layer runs it outside the exchange (not bounded by its sync-free block)."""
+        if not self.overlap_shared or alongside.empty:
+            return None
+        if torch.compiler.is_compiling():       # traced: every op keeps its counts on the device anyway
+            return alongside.run
+
+        def run_as_outside():
+            with kernels.forced_sync_free(False):
+                alongside.run()
+        return run_as_outside
 
     def plan(self, routing: Routing) -> RoutingPlan:
         layer = self.layer
@@ -104,21 +146,22 @@ class Exchange(OneRank):
 class SlotExchange(Exchange):
     """One row per (token, expert) slot to the expert's rank and back."""
 
-    def __call__(self, x, plan: RoutingPlan, weight_TK: torch.Tensor):
+    def __call__(self, x, plan: RoutingPlan, weight_TK: torch.Tensor, alongside: SharedTerm = NO_SHARED_TERM):
         self.check_input(x)
         backend, call = self.layer.backend, self.layer.experts_call
         x_ND = tree_map(lambda t: kernels.permute(t, plan, backend), x)
         if call.weighs_rows and plan.shadow is None and self.schedule_group_size is None:
             # The permuted rows only travel; the received ones are the experts' input, kept once.
             weight_N = weight_TK.reshape(-1).index_select(0, plan.slot_N)
-            x_RD = exchange.dispatch(x_ND, plan)
-            weight_R = exchange.dispatch(weight_N[:, None], plan, "routing")[:, 0]
+            rows, weights = self.start_dispatch(x_ND, plan), self.start_dispatch(weight_N[:, None], plan, "routing")
+            self.travelling(alongside)
+            x_RD, weight_R = rows.wait(), weights.wait()[:, 0]
             y_ND = exchange.combine(call.rows(x_RD, plan.local_counts_e, weight_R), plan)
             return kernels.sum_rows(y_ND, plan, backend).to(autocast_dtype(x) or x.dtype)
-        y_ND = self.layer.experts_call.checked(self.run_rows(x_ND, plan))
+        y_ND = self.layer.experts_call.checked(self.run_rows(x_ND, plan, alongside))
         return tree_map(lambda t: kernels.unpermute(t, plan, weight_TK, backend), y_ND)
 
-    def run_rows(self, x_ND, plan: RoutingPlan):
+    def run_rows(self, x_ND, plan: RoutingPlan, alongside: SharedTerm = NO_SHARED_TERM):
         """Rows in expert order -> the experts' outputs in the same order, wherever the experts live."""
         call = self.layer.experts_call
         if not isinstance(x_ND, torch.Tensor):
@@ -130,7 +173,9 @@ class SlotExchange(Exchange):
         if self.schedule_group_size is not None:
             y_sent = scheduled_experts(self.layer.experts, x_sent, plan.exchange, self.schedule_group_size)
         else:
-            x_RD = exchange.dispatch(x_sent, plan)
+            rows = self.start_dispatch(x_sent, plan)
+            self.travelling(alongside)
+            x_RD = rows.wait()
             y_sent = exchange.combine((pull.run_local if pull else call.rows)(x_RD, plan.local_counts_e), plan)
         return y_sent if pull is None else torch.cat([y_sent, pull.forward(x_home)])
 
@@ -138,7 +183,7 @@ class SlotExchange(Exchange):
 class DedupExchange(Exchange):
     """A token once per destination rank ("rank"), or once per node and then per rank inside it ("node")."""
 
-    def __call__(self, x, plan: RoutingPlan, weight_TK: torch.Tensor):
+    def __call__(self, x, plan: RoutingPlan, weight_TK: torch.Tensor, alongside: SharedTerm = NO_SHARED_TERM):
         self.check_input(x)
         call, scheduled = self.layer.experts_call, self.schedule_group_size is not None
         if scheduled and self.layer.fp32_combine and x.dtype != torch.float32:
@@ -151,7 +196,7 @@ class DedupExchange(Exchange):
         with self.sync_free():
             y_TD = dedup.run_hop(plan.dedup, x, weight_TK, lambda x_QD, local, w_QK: call.tokens(x_QD, local, w_QK,
                                                                                                    run_here),
-                                 self.layer.backend, schedule)
+                                 self.layer.backend, schedule, self.meanwhile(alongside))
         if pull is None:
             return y_TD
         return y_TD + call.tokens(x, plan.home, weight_TK, lambda x_SD, counts_S: pull.forward(x_SD))

@@ -14,7 +14,7 @@ from torch import nn
 
 from fmoe import kernels
 from fmoe.autocast import autocast_dtype
-from fmoe.dispatch import make_dispatcher
+from fmoe.dispatch import make_dispatcher, resolve_overlap
 from fmoe.distributed.check import check_expert_parallel_config
 from fmoe.distributed.exchange import Traffic, ranks_per_node_of
 from fmoe.distributed.groups import NodeGroup
@@ -31,7 +31,7 @@ from fmoe.layer_checks import (check_activation, check_fits, check_mask, check_s
                                is_plain_module_gate, positive_int, resolve_num_expert, resolve_slice_group,
                                router_tensors)
 from fmoe.routing import RoutingPlan, check_exchange
-from fmoe.shared_experts import add_shared, make_shared_experts
+from fmoe.shared_experts import SharedTerm, make_shared_experts
 from fmoe.observe.stats import RoutingTally
 from fmoe.tokens import NO_MASK, TokenMask, TokenRows
 
@@ -65,6 +65,11 @@ class FMoE(ForgetsLastForward, nn.Module):
     `shared_expert_gate=True` their summed output is scaled by sigmoid(x @ w) per token
     (Qwen2-MoE's `shared_expert_gate`, a [1, d_model] linear).
 
+    `overlap` hides communication behind compute across ranks: "shared" runs the shared experts
+    while the dispatch travels (and their backward while the rows' gradients travel back), "none"
+    waits for every exchange in line, "auto" (the default) is "shared" across ranks; every mode
+    gives bit-identical outputs and gradients (`fmoe.dispatch`).
+
     Routing runs in fp32; for an fp16 / bf16 input the combine weights are rounded to the input's
     dtype first, as FastMoE's gates return them and transformers' MoE blocks cast them.
     `fp32_combine=True` keeps them fp32 (a little closer to the exact sum, no longer bit-equal to those).
@@ -78,7 +83,7 @@ class FMoE(ForgetsLastForward, nn.Module):
                  gate_bias=True, d_hidden=None, activation="gelu", expert_bias=True, gate_kwargs=None,
                  backend: Optional[str] = None, shadow=None, schedule=None, schedule_group_size=None,
                  shared_expert=None, shared_expert_gate=False, fp32_combine=False, recompute="activation",
-                 exchange="slot", ranks_per_node=None, sync_free=False, max_tokens_per_rank=None):
+                 exchange="slot", ranks_per_node=None, sync_free=False, max_tokens_per_rank=None, overlap="auto"):
         super().__init__()
         self.recompute = check_recompute(recompute)
         positive_int("d_model", d_model)
@@ -165,6 +170,7 @@ class FMoE(ForgetsLastForward, nn.Module):
         # The parts each forward runs, chosen now (the experts' call again when experts are assigned).
         self.token_rows = TokenRows(self)
         self.token_mask = NO_MASK if self.mask is None else TokenMask(self.mask, self.mask_dict)
+        self.overlap = resolve_overlap(overlap, self.world_size)
         self.dispatcher = make_dispatcher(self, shadow_policy, self.schedule)
         self.experts_call = experts_call(self, self.has_own_expert_fn)
 
@@ -239,10 +245,9 @@ class FMoE(ForgetsLastForward, nn.Module):
         x, x_TD, restore = self.token_rows.enter(moe_inp)     # rows [T, D] (FastMoE: a tree), sliced
         routing = self.token_mask.route(self.route(x, x_TD), x_TD)
         plan = self.dispatcher.plan(routing)
-        y_TD = self.dispatcher(x, plan, routing.weight_TK)      # dispatch -> experts -> combine
-        y_TD = self.token_mask.add(y_TD, x_TD, routing.weight_TK)
-        if self.shared_experts is not None:
-            y_TD = add_shared(y_TD, x_TD, self.shared_experts, self.shared_expert_gate)
+        shared = SharedTerm(x, x_TD, self.shared_experts, self.shared_expert_gate)
+        y_TD = self.dispatcher(x, plan, routing.weight_TK, shared)      # dispatch -> experts -> combine
+        y_TD = shared.add_to(self.token_mask.add(y_TD, x_TD, routing.weight_TK))
         self.record(routing, plan)
         return restore(y_TD)
 

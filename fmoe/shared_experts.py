@@ -40,12 +40,35 @@ class SharedExpertMLP(nn.Module):
         # Every token is one row of the single expert: it keeps x and the pre-activation only.
         return self.mlp(x_TD, torch.full((1,), x_TD.shape[0], dtype=torch.int64, device=x_TD.device), lean=True)
 
-def add_shared(y_TD, x_TD: torch.Tensor, shared_experts: nn.ModuleList, gate: Optional[nn.Linear]) -> torch.Tensor:
-    """y_TD plus the shared experts' term: their summed output on x_TD, scaled by sigmoid(gate(x))
-    per token when there is a gate."""
-    if not isinstance(y_TD, torch.Tensor):
-        raise ValueError("shared_expert needs a single input tensor, not a tree of them")
-    shared_TD = sum(expert(x_TD) for expert in shared_experts)
-    if gate is not None:
-        shared_TD = torch.sigmoid(gate(x_TD)) * shared_TD
-    return y_TD + shared_TD
+class SharedTerm:
+    """The shared experts' term of one forward: their summed output on x_TD, scaled by sigmoid(gate(x))
+    per token when there is a gate (nothing without shared experts). It needs nothing of the
+    exchange, so a dispatcher may compute it while its rows travel (`run`, overlap="shared"); else it
+    is computed when the layer adds it to the routed output (`add_to`). Either way once."""
+
+    def __init__(self, x=None, x_TD: Optional[torch.Tensor] = None, shared_experts: Optional[nn.ModuleList] = None,
+                 gate: Optional[nn.Linear] = None):
+        if shared_experts is not None and not isinstance(x, torch.Tensor):
+            raise ValueError("shared_expert needs a single input tensor, not a tree of them")
+        self.x_TD, self.shared_experts, self.gate = x_TD, shared_experts, gate
+        self.shared_TD: Optional[torch.Tensor] = None
+
+    @property
+    def empty(self) -> bool:
+        return self.shared_experts is None
+
+    def run(self):
+        if self.shared_experts is None or self.shared_TD is not None:
+            return
+        x_TD = self.x_TD
+        out_TD = sum(expert(x_TD) for expert in self.shared_experts)
+        self.shared_TD = out_TD if self.gate is None else torch.sigmoid(self.gate(x_TD)) * out_TD
+
+    def add_to(self, y_TD):
+        if self.shared_experts is None:
+            return y_TD
+        self.run()
+        return y_TD + self.shared_TD
+
+
+NO_SHARED_TERM = SharedTerm()

@@ -5,7 +5,9 @@ import time
 import torch
 import torch.distributed as dist
 
+import fmoe
 from fmoe.distributed import exchange, link
+from tests.shadow_workers import FixedShadow
 
 
 def time_an_all_to_all(rank, world, rows, width, gbps, latency_us, out_file):
@@ -39,3 +41,132 @@ def wait_pays_the_delay(rank, world, seconds_of_work, gbps, rows, width, out_fil
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump({"seconds": took}, f)
+
+
+D, H, E_PER_RANK = 8, 12, 2
+# (name, layer options): every exchange, shadowing, capacity, the recompute modes, the sync-free bound
+OVERLAP_CASES = [
+    ("slot", dict(exchange="slot")),
+    ("rank", dict(exchange="rank")),
+    ("node", dict(exchange="node", ranks_per_node=1)),
+    ("slot-shadow", dict(exchange="slot", shadow=(0,))),
+    ("rank-shadow", dict(exchange="rank", shadow=(1,))),
+    ("slot-capacity", dict(exchange="slot", gate="gshard")),
+    ("rank-recompute-none", dict(exchange="rank", recompute="none")),
+    ("slot-recompute-experts", dict(exchange="slot", recompute="experts")),
+    ("rank-sync-free", dict(exchange="rank", sync_free=True, max_tokens_per_rank=16)),
+    ("slot-no-shared", dict(exchange="slot", shared_expert=None, shared_expert_gate=False)),
+]
+
+
+def overlap_run(rank, world, overlap, options, steps=2):
+    """Two forward+backward passes (gradients accumulate) of one layer: everything each gives."""
+    kw = dict(d_model=D, d_hidden=H, top_k=2, gate="naive", shared_expert=H, shared_expert_gate=True)
+    kw.update(options)
+    if "shadow" in kw:
+        kw["shadow"] = FixedShadow(kw["shadow"])
+    torch.manual_seed(0)
+    layer = fmoe.FMoETransformerMLP(num_expert=E_PER_RANK, world_size=world, overlap=overlap, **kw)
+    seen = {"overlap": layer.overlap}
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(6 + rank, D, generator=g, requires_grad=True)
+        y = layer(x)
+        (y * torch.randn(y.shape, generator=g)).sum().add(layer.aux_loss or 0).backward()
+        seen[f"y{step}"], seen[f"dx{step}"] = y.detach(), x.grad
+        seen[f"dropped{step}"], seen[f"counts{step}"] = layer.num_dropped, layer.last_counts_E.clone()
+    seen.update({f"grad.{n}": p.grad for n, p in layer.named_parameters()})
+    return seen
+
+
+def check_overlap_modes_equal_none(rank, world):
+    for name, options in OVERLAP_CASES:
+        plain = overlap_run(rank, world, "none", options)
+        assert plain.pop("overlap") == "none"
+        for mode in ("shared", "auto"):
+            other = overlap_run(rank, world, mode, options)
+            assert other.pop("overlap") == "shared", (name, mode)
+            assert other.keys() == plain.keys(), (name, mode)
+            differ = [key for key, value in plain.items()
+                      if not (torch.equal(value, other[key]) if isinstance(value, torch.Tensor) else value == other[key])]
+            # The rank exchange with shadowing: x feeds the gate, the exchange, the shadowed experts at
+            # home and the shared experts, and autograd sums their gradients in the order it runs them,
+            # which overlap changes: x's gradient is equal to fp32 rounding, everything else bit for bit.
+            rounded = [key for key in differ if key.startswith("dx") and "shadow" in name and "rank" in name]
+            for key in rounded:
+                torch.testing.assert_close(other[key], plain[key], rtol=1e-6, atol=1e-6)
+            assert not set(differ) - set(rounded), f"rank {rank}, {name}, overlap={mode}: {differ} differ from 'none'"
+
+
+def check_overlap_compiled_equals_eager_none(rank, world):
+    """overlap="shared" compiled equals eager overlap="none": the exchange's graph breaks (aot_eager),
+    and the sync-free rank exchange traced whole (fullgraph=True)."""
+    import copy
+    cases = [(dict(exchange="slot"), False), (dict(exchange="rank", sync_free=True, max_tokens_per_rank=16), True)]
+    for options, fullgraph in cases:
+        layers = {}
+        for overlap in ("none", "shared"):
+            torch.manual_seed(0)
+            layers[overlap] = fmoe.FMoETransformerMLP(num_expert=E_PER_RANK, world_size=world, d_model=D, d_hidden=H,
+                                                      top_k=2, shared_expert=H, overlap=overlap, **options)
+            with torch.no_grad():
+                layers[overlap](torch.zeros(1, D))      # the first forward agrees with the peers, eagerly
+        compiled = torch.compile(copy.deepcopy(layers["shared"]), fullgraph=fullgraph, backend="aot_eager")
+        g = torch.Generator().manual_seed(rank)
+        x, probe = torch.randn(8, D, generator=g), torch.randn(8, D, generator=g)
+        results = []
+        for module, run in ((layers["none"], layers["none"]), (compiled._orig_mod, compiled)):
+            x_in = x.clone().requires_grad_(True)
+            out = run(x_in)
+            (out * probe).sum().backward()
+            results.append((out, x_in.grad, {n: p.grad for n, p in module.named_parameters()}))
+        (out_e, dx_e, grads_e), (out_c, dx_c, grads_c) = results
+        torch.testing.assert_close(out_c, out_e, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dx_c, dx_e, atol=1e-5, rtol=1e-5)
+        for n in grads_e:
+            torch.testing.assert_close(grads_c[n], grads_e[n], atol=1e-5, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+def stop_rank_one():
+    import os
+    import signal
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class StopsRankOne(torch.nn.Module):
+    """A shared expert that, armed, stops rank 1 (SIGSTOP) in its forward: under overlap="shared" it
+    runs while the dispatch is in flight."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.armed = torch.nn.Linear(D, D), False
+
+    def forward(self, x):
+        if self.armed:
+            stop_rank_one()
+        return self.linear(x)
+
+
+def stop_rank_while_in_flight(rank, world, phase, result_file):
+    """Rank 1 stops while its dispatch is in flight ("forward"), or as its backward begins ("backward"),
+    with rank 0's exchanges started: rank 0 raises the timeout naming the layer, never hangs."""
+    import os
+    os.environ["FMOE_COLLECTIVE_TIMEOUT"] = "3"
+    torch.manual_seed(0)
+    shared = StopsRankOne()
+    layer = fmoe.FMoETransformerMLP(num_expert=E_PER_RANK, world_size=world, d_model=D, d_hidden=H, top_k=2,
+                                    shared_expert=shared, overlap="shared")
+    x = torch.randn(6, D, requires_grad=True)
+    layer(x).sum().backward()           # one good step: the check with the peers and every collective pass
+    shared.armed = phase == "forward"
+    try:
+        y = layer(x)
+        if phase == "backward":
+            y.register_hook(lambda grad: stop_rank_one())
+        y.sum().backward()
+    except RuntimeError as err:
+        with open(result_file, "w") as f:
+            f.write(str(err))
+        return
+    raise AssertionError(f"rank {rank} went through a step with a stopped peer")

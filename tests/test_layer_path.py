@@ -82,8 +82,8 @@ def test_following_x_stays_in_the_engine_and_goes_down(kwargs):
     # The layer runs its parts once each, in the diagram's order.
     from_layer = [(m, f) for c, m, f, _ in entries if c == "fmoe.layer"]
     parts = [m for m, _ in from_layer]
-    expected = ["fmoe.tokens", "fmoe.gates", "fmoe.autocast", "fmoe.tokens", "fmoe.dispatch", "fmoe.dispatch",
-                "fmoe.tokens"] + (["fmoe.shared_experts"] if "shared_expert" in kwargs else []) + ["fmoe.tokens"]
+    expected = ["fmoe.tokens", "fmoe.gates", "fmoe.autocast", "fmoe.tokens", "fmoe.dispatch", "fmoe.shared_experts",
+                "fmoe.dispatch", "fmoe.tokens", "fmoe.shared_experts", "fmoe.tokens"]
     assert [p.split(".")[0] + "." + p.split(".")[1] for p in parts] == expected, from_layer
     # The kernels' seam: the lean path's one op; the plain path's permute, MLP (is the fused CPU MLP
     # for these rows? then it) and unpermute.

@@ -47,3 +47,39 @@ def test_overlap_simulated_link_delay_is_paid_at_the_wait_so_work_between_hides_
     run_ranks(overlap_workers.wait_pays_the_delay, 2, 0.8, 0.008, rows, width, str(out))
     took = json.loads(out.read_text())["seconds"]
     assert 0.99 <= took < 1.5, took
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlap_modes_give_the_bit_identical_outputs_gradients_and_counts_of_none(world):
+    run_ranks(overlap_workers.check_overlap_modes_equal_none, world)
+
+
+def test_overlap_compiled_equals_eager_none():
+    run_ranks(overlap_workers.check_overlap_compiled_equals_eager_none, 2)
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_overlap_a_rank_stopped_while_handles_are_in_flight_fails_the_other_naming_the_layer(phase, tmp_path):
+    import os
+    import signal
+
+    import torch.multiprocessing as mp
+
+    from tests.test_fault_dist import _entry
+    result = tmp_path / "rank0.txt"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(r, 2, str(tmp_path / "store"), overlap_workers.stop_rank_while_in_flight,
+                                              (phase, str(result)))) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        procs[0].join(120)
+        assert procs[0].exitcode == 0, f"rank 0 exit code {procs[0].exitcode} (None: it hung)"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join()
+    message = result.read_text()
+    assert "FMOE_COLLECTIVE_TIMEOUT" in message and "all-to-all" in message, message
+    assert "expert-parallel layer #0 FMoETransformerMLP(num_expert=2, d_model=8)" in message, message

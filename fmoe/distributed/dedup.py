@@ -31,23 +31,31 @@ from torch.utils._pytree import tree_map
 
 from fmoe import kernels
 from fmoe.distributed import link
-from fmoe.distributed.exchange import AllToAll, functional_group, row_bytes
+from fmoe.distributed.exchange import AllToAll, InFlight, functional_group, row_bytes, start_all_to_all
 from fmoe.routing import Hop, RoutingPlan
+
+
+def start_send(hop: Hop, x, what: str, kind: str) -> InFlight:
+    """x's rows out along the hop (its rows back, in the backward), started: `wait()` has them."""
+    if hop.bound is None:
+        return start_all_to_all(x, hop.send_splits_W, hop.recv_splits_W, hop.group, what, hop.traffic, kind)
+    if hop.traffic is not None:        # fixed sizes: the backward's are known now
+        hop.traffic.add(kind, False, hop.send_splits_W, row_bytes(x))
+        if x.requires_grad:
+            hop.traffic.add(kind, True, hop.recv_splits_W, row_bytes(x))
+    # A functional collective waits when its result is first read; eager, a simulated link delays that
+    # read (the forward's only: the backward's exchange is autograd's own).
+    out = fc.all_to_all_single_autograd(x.contiguous(), None, None, functional_group(hop.group))
+    delayed = not torch.compiler.is_compiling() and link.active_link() is not None
+    return InFlight(out, pending=link.start(None, what, link.all_to_all_bytes(
+        hop.send_splits_W, hop.recv_splits_W, row_bytes(x), dist.get_rank(hop.group))) if delayed else None)
 
 
 def send(hop: Hop, x, what: str, kind: str):
     """x's rows out along the hop (its rows back, in the backward)."""
     if hop.bound is None:
         return AllToAll.apply(x, hop.send_splits_W, hop.recv_splits_W, hop.group, what, hop.traffic, kind)
-    if hop.traffic is not None:        # fixed sizes: the backward's are known now
-        hop.traffic.add(kind, False, hop.send_splits_W, row_bytes(x))
-        if x.requires_grad:
-            hop.traffic.add(kind, True, hop.recv_splits_W, row_bytes(x))
-    out = fc.all_to_all_single_autograd(x.contiguous(), None, None, functional_group(hop.group))
-    if not torch.compiler.is_compiling() and link.active_link() is not None:    # eager: the link's delay, in line
-        link.complete(None, what, link.all_to_all_bytes(hop.send_splits_W, hop.recv_splits_W, row_bytes(x),
-                                                        dist.get_rank(hop.group)))
-    return out
+    return start_send(hop, x, what, kind).wait()
 
 
 def send_back(hop: Hop, y, what: str):
@@ -57,11 +65,12 @@ def send_back(hop: Hop, y, what: str):
 
 
 def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend: Optional[str] = None,
-            schedule: Optional[tuple] = None):
+            schedule: Optional[tuple] = None, meanwhile: Optional[Callable[[], None]] = None):
     """sum over destinations of the weighted expert outputs for the tokens x_TD (a tensor or a tree
     of them sharing the rows): the rows travel out, `experts(x_QD, local_plan, weight_QK)` runs on
     the last hop's received rows, its output travels back. `schedule`: (group size, the experts'
-    parameters) to pipeline a one-hop exchange as FasterMoE's smart schedule does."""
+    parameters) to pipeline a one-hop exchange as FasterMoE's smart schedule does. `meanwhile()` runs
+    while the first hop's rows travel (their exchange started, not yet waited for)."""
     if schedule is not None:
         return scheduled_hop(hop, x_TD, weight_TK, experts, backend, *schedule)
     what = f"{hop.layer}: deduplicated"
@@ -73,8 +82,14 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
     else:
         x_ND = tree_map(lambda t: kernels.permute(t, hop.pairs, backend), x_TD)
         w_NK = weight_TK.index_select(0, hop.pairs.token_N).masked_fill(~hop.slot_mask_NK, 0)
-    x_QD = tree_map(lambda t: send(hop, t, f"{what} dispatch", "dispatch"), x_ND)
-    w_QK = send(hop, w_NK, f"{what} weights", "routing")
+    if meanwhile is None:
+        x_QD = tree_map(lambda t: send(hop, t, f"{what} dispatch", "dispatch"), x_ND)
+        w_QK = send(hop, w_NK, f"{what} weights", "routing")
+    else:
+        rows = tree_map(lambda t: start_send(hop, t, f"{what} dispatch", "dispatch"), x_ND)
+        weights = start_send(hop, w_NK, f"{what} weights", "routing")
+        meanwhile()
+        x_QD, w_QK = tree_map(lambda sent: sent.wait(), rows), weights.wait()
     if hop.inner is not None:
         y_QD = run_hop(hop.inner, x_QD, w_QK, experts, backend)
     else:

@@ -150,6 +150,90 @@ class AllToAll(torch.autograd.Function):
         return back, None, None, None, None, None, None, None
 
 
+class Flight:
+    """An all-to-all on its way (`started`), and in the backward its gradient's on the way back
+    (`returning`): what `_Issue` and `_Arrive`, the two autograd nodes of `start_all_to_all`, share."""
+
+    def __init__(self, send_splits, recv_splits, group, what: str, traffic: Optional[Traffic], kind: str):
+        self.send_splits, self.recv_splits, self.group, self.what = send_splits, recv_splits, group, what
+        self.traffic, self.kind = traffic, kind
+        self.started: Optional[link.Pending] = None
+        self.returning: Optional[link.Pending] = None
+        self.grad_x: Optional[torch.Tensor] = None      # being filled by the gradient's exchange back
+
+    def issue(self, x, send_splits, recv_splits, what: str, backward: bool):
+        """out, being filled by the all-to-all of x's rows (send_splits out, recv_splits in), and its Pending."""
+        out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+        work = dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=self.group, async_op=True)
+        if self.traffic is not None:
+            self.traffic.add(self.kind, backward, send_splits, row_bytes(x))
+        nbytes = link.all_to_all_bytes(send_splits, recv_splits, row_bytes(x), dist.get_rank(self.group))
+        return out, link.start(work, what, nbytes)
+
+
+class _Issue(torch.autograd.Function):
+    """Starts the all-to-all and returns its receive buffer, not yet filled: only `_Arrive` may read it.
+    Its backward waits for the gradient's exchange that `_Arrive`'s backward started, and returns what
+    it brought (the gradient autograd hands it is the received rows', which `_Arrive` sent back)."""
+
+    @staticmethod
+    def forward(ctx, x, flight: Flight):
+        ctx.flight = flight
+        out, flight.started = flight.issue(x, flight.send_splits, flight.recv_splits, flight.what, False)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        flight, ctx.flight = ctx.flight, None
+        flight.returning.wait()
+        grad_x, flight.returning, flight.grad_x = flight.grad_x, None, None
+        return grad_x, None
+
+
+class _Arrive(torch.autograd.Function):
+    """Waits for the all-to-all; its backward starts the gradient's exchange back and hands on its
+    buffer, which `_Issue`'s backward waits for: autograd runs what is ready meanwhile."""
+
+    @staticmethod
+    def forward(ctx, out, flight: Flight):
+        ctx.flight = flight
+        flight.started.wait()
+        flight.started = None
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flight, ctx.flight = ctx.flight, None
+        flight.grad_x, flight.returning = flight.issue(grad, flight.recv_splits, flight.send_splits,
+                                                       f"{flight.what} (backward)", True)
+        return grad, None
+
+
+class InFlight:
+    """Rows on their way: `wait()` returns them once they are there (through `_Arrive` when a `flight`
+    carries them, after `pending` when one delays them), regrouped by `order` when given."""
+
+    def __init__(self, rows, flight: Optional[Flight] = None, order: Optional[torch.Tensor] = None,
+                 pending: Optional[link.Pending] = None):
+        self.rows, self.flight, self.order, self.pending = rows, flight, order, pending
+
+    def wait(self) -> torch.Tensor:
+        if self.pending is not None:
+            self.pending.wait()
+        rows = self.rows if self.flight is None else _Arrive.apply(self.rows, self.flight)
+        return rows if self.order is None else Reorder.apply(rows, self.order)
+
+
+def start_all_to_all(x, send_splits, recv_splits, group, what: str, traffic: Optional[Traffic] = None,
+                     kind: str = "dispatch") -> InFlight:
+    """`AllToAll.apply`, started: work done before the handle's `wait()` runs while the rows travel, and
+    in the backward the rows' gradients travel back while what autograd has ready runs (traced: in line)."""
+    if torch.compiler.is_compiling():
+        return InFlight(AllToAll.apply(x, send_splits, recv_splits, group, what, traffic, kind))
+    flight = Flight(send_splits, recv_splits, group, what, traffic, kind)
+    return InFlight(_Issue.apply(x, flight), flight)
+
+
 class Reorder(torch.autograd.Function):
     """out = x[order] for a permutation `order`; the backward gathers by the inverse (no scatter-add)."""
 
@@ -178,6 +262,18 @@ def dispatch(x_ND: torch.Tensor, plan, kind: str = "dispatch") -> torch.Tensor:
     x_RD = AllToAll.apply(x_ND, plan.send_splits_W, plan.recv_splits_W, plan.group, f"{plan.layer}: dispatch all-to-all",
                           plan.traffic, kind)
     return Reorder.apply(x_RD, plan.recv_order_R)
+
+
+def start_dispatch(x_ND: torch.Tensor, plan, kind: str = "dispatch") -> InFlight:
+    """`dispatch`, started: work done before the handle's `wait()` runs while the rows travel, and in the
+    backward the rows' gradients travel back while what autograd has ready runs."""
+    exchange_plan = plan.exchange
+    if exchange_plan is None:
+        return InFlight(x_ND)
+    sent = start_all_to_all(x_ND, exchange_plan.send_splits_W, exchange_plan.recv_splits_W, exchange_plan.group,
+                            f"{exchange_plan.layer}: dispatch all-to-all", exchange_plan.traffic, kind)
+    sent.order = exchange_plan.recv_order_R
+    return sent
 
 
 def combine(y_RD: torch.Tensor, plan) -> torch.Tensor:

@@ -130,10 +130,10 @@ _forced = [False]
 
 
 @contextlib.contextmanager
-def forced_sync_free():
+def forced_sync_free(forced: bool = True):
     """The ops called inside keep their counts on the device (their backward too: each op keeps
-    the choice it was called with)."""
-    before, _forced[0] = _forced[0], True
+    the choice it was called with); `forced=False`: as outside, inside another such block."""
+    before, _forced[0] = _forced[0], forced
     try:
         yield
     finally:
