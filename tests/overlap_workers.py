@@ -170,3 +170,21 @@ def stop_rank_while_in_flight(rank, world, phase, result_file):
             f.write(str(err))
         return
     raise AssertionError(f"rank {rank} went through a step with a stopped peer")
+
+
+def two_in_flight_queue(rank, world, gbps, rows, width, out_file):
+    """Two all-to-alls started together and then waited: they queue on the one link (about twice one)."""
+    x = torch.randn(rows * world, width)
+    outs = [torch.empty_like(x) for _ in range(2)]
+    nbytes = link.all_to_all_bytes([rows] * world, [rows] * world, width * 4, rank)
+    dist.barrier()
+    with link.simulated_link(gbps):
+        began = time.monotonic()
+        pendings = [link.start(dist.all_to_all_single(out, x, async_op=True), "test all-to-all", nbytes)
+                    for out in outs]
+        for pending in pendings:
+            pending.wait()
+        took = time.monotonic() - began
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump({"seconds": took, "one": link.Link(gbps).seconds(nbytes)}, f)

@@ -83,3 +83,10 @@ def test_overlap_a_rank_stopped_while_handles_are_in_flight_fails_the_other_nami
     message = result.read_text()
     assert "FMOE_COLLECTIVE_TIMEOUT" in message and "all-to-all" in message, message
     assert "expert-parallel layer #0 FMoETransformerMLP(num_expert=2, d_model=8)" in message, message
+
+
+def test_overlap_simulated_link_queues_collectives_in_flight_together(tmp_path):
+    out = tmp_path / "took.json"
+    run_ranks(overlap_workers.two_in_flight_queue, 2, 0.02, 1024, 16, str(out))
+    took = json.loads(out.read_text())
+    assert took["seconds"] >= 2 * took["one"], took

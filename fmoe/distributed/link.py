@@ -8,8 +8,10 @@ collectives that have nothing to overlap with.
 A simulated link (`FMOE_SIMULATED_LINK="gbps=G,latency_us=L"`, or `with simulated_link(G, L):`)
 shows here, on gloo between processes of one machine, what a slower network costs and how much of
 it overlap hides: a collective that moves B bytes on this rank completes no earlier than its start
-+ L microseconds + B / (G Gbit/s). The delay is paid in `wait()` by sleeping (no CPU burnt), so work
-done between start and wait runs meanwhile, exactly as it would beside a real transfer. B is what
++ L microseconds + B / (G Gbit/s), and no earlier than that after the rank's previous transfer (one
+link a rank: collectives in flight together queue on it, as on a real link). The delay is paid in
+`wait()` by sleeping (no CPU burnt), so work done between start and wait runs meanwhile, exactly as
+it would beside a real transfer. B is what
 this rank's side of the link carries: for an all-to-all the larger of the bytes it sends to and
 receives from other ranks (a full-duplex link), for a broadcast or reduce the tensor's bytes, for
 a ring all-reduce 2 (W-1)/W of them, for an all-gather the (W-1) parts received. Same code on gloo
@@ -82,13 +84,19 @@ def simulated_link(gbps: Optional[float], latency_us: float = 0.0):
         _override.pop()
 
 
+_link_free_at = [0.0]       # when this rank's simulated link has carried everything started so far
+
+
 class Pending:
     """A collective in flight: `wait()` returns once it is done and, under a simulated link, once
     its simulated transfer has arrived. Waiting twice is waiting once."""
 
     def __init__(self, works, what: str, nbytes: int, link: Optional[Link]):
         self.works, self.what = works, what
-        self.ready_at = None if link is None else time.monotonic() + link.seconds(nbytes)
+        self.ready_at = None
+        if link is not None:
+            self.ready_at = max(time.monotonic(), _link_free_at[0]) + link.seconds(nbytes)
+            _link_free_at[0] = self.ready_at
 
     def wait(self):
         for work in self.works:

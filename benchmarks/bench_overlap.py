@@ -1,0 +1,164 @@
+"""How much of a slow link each overlap mode hides: gloo ranks on this machine, a simulated link.
+
+    python benchmarks/bench_overlap.py                                   # 2 and 4 ranks, prints a table
+    python benchmarks/bench_overlap.py --out benchmarks/results/overlap-cpu.json
+    python benchmarks/bench_overlap.py --quick                           # smoke: 2 ranks, few steps
+
+Each rank trains one MoE layer with shared experts (fmoe's FMoETransformerMLP, expert parallel over
+the ranks) forward+backward. First without a link, overlap="none": the step's compute (and the real,
+local exchange). The link (`fmoe.distributed.link`) is then set so that the bytes one step carries
+on a rank take as long as that step: communication about equal to compute. Every mode then runs
+under it, the modes taking turns step by step. For each mode,
+
+    hidden = (none with the link - mode with the link) / (none with the link - none without it)
+
+is the share of the link's time taken off the step (1: all hidden, 0: none). Medians of the
+slowest rank's step time. Also the largest difference of the mode's outputs and gradients from
+"none" (0.0: bit-identical). Prints a table; writes JSON only to --out.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine  # noqa: E402
+
+import fmoe  # noqa: E402
+from fmoe.distributed import link  # noqa: E402
+
+MODES = ("none", "shared", "auto")
+
+
+def build(world: int, overlap: str, args) -> fmoe.FMoETransformerMLP:
+    torch.manual_seed(0)
+    return fmoe.FMoETransformerMLP(num_expert=args.experts, world_size=world, d_model=args.d_model,
+                                   d_hidden=args.d_hidden, top_k=args.top_k, gate="naive",
+                                   shared_expert=args.shared_hidden, overlap=overlap)
+
+
+def step(layer, x, probe):
+    x = x.detach().requires_grad_(True)
+    y = layer(x)
+    (y * probe).sum().backward()
+    return y.detach(), x.grad
+
+
+def slowest(seconds: float) -> float:
+    """The step time of the slowest rank: the step is done when every rank is."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def timed_steps(layers: dict, x, probe, steps: int, gbps) -> dict:
+    """Median step seconds of each layer, the layers taking turns, under the link `gbps` (None: none)."""
+    times = {name: [] for name in layers}
+    with link.simulated_link(gbps):
+        for _ in range(steps):
+            for name, layer in layers.items():
+                dist.barrier()
+                began = time.perf_counter()
+                step(layer, x, probe)
+                times[name].append(slowest(time.perf_counter() - began))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def link_bytes(layer) -> int:
+    """Bytes one step carried: what the busiest rank sent to the others, forward and backward."""
+    sent = layer.traffic.total()
+    total = torch.tensor([sent], dtype=torch.float64)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return int(total)
+
+
+def rank_main(rank: int, world: int, store: str, args, out_file: str):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.tokens, args.d_model, generator=g)
+    probe = torch.randn(args.tokens, args.d_model, generator=g)
+    layers = {mode: build(world, mode, args) for mode in MODES}
+    reference = step(layers["none"], x, probe)
+    grads = {n: p.grad.clone() for n, p in layers["none"].named_parameters()}
+    difference = {}
+    for mode in MODES[1:]:
+        out = step(layers[mode], x, probe)
+        diffs = [(a - b).abs().max().item() for a, b in zip(out, reference)]
+        diffs += [(p.grad - grads[n]).abs().max().item() for n, p in layers[mode].named_parameters()]
+        difference[mode] = max(diffs)
+    for layer in layers.values():
+        layer.zero_grad()
+    compute = timed_steps({"none": layers["none"]}, x, probe, args.steps, None)["none"]
+    layers["none"].traffic.reset()
+    step(layers["none"], x, probe)
+    carried = link_bytes(layers["none"])
+    gbps = carried * 8 / (compute * 1e9)            # the link's time for one step's bytes = the step's compute
+    with_link = timed_steps(layers, x, probe, args.steps, gbps)
+    if rank == 0:
+        link_seconds = with_link["none"] - compute
+        result = {"world": world, "compute_s": compute, "link_gbps": gbps, "link_bytes_per_step": carried,
+                  "link_s": link_seconds, "modes": {}}
+        for mode in MODES:
+            result["modes"][mode] = {
+                "overlap": layers[mode].overlap, "step_s": with_link[mode],
+                "hidden": (with_link["none"] - with_link[mode]) / link_seconds if link_seconds > 0 else None,
+                "max_difference_from_none": difference.get(mode, 0.0)}
+        with open(out_file, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_world(world: int, args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="fmoe-bench-overlap-") as folder:
+        out_file = os.path.join(folder, "rank0.json")
+        mp.spawn(rank_main, args=(world, os.path.join(folder, "store"), args, out_file), nprocs=world, join=True)
+        with open(out_file) as f:
+            return json.load(f)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--tokens", type=int, default=512, help="tokens on each rank")
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--d-hidden", type=int, default=256, help="each routed expert's hidden width")
+    parser.add_argument("--shared-hidden", type=int, default=1024, help="the shared expert's hidden width")
+    parser.add_argument("--experts", type=int, default=4, help="experts on each rank")
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--quick", action="store_true", help="2 ranks, 3 steps, small shapes")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.ranks, args.steps, args.tokens, args.d_model, args.d_hidden, args.shared_hidden = [2], 3, 64, 32, 32, 64
+    results = [run_world(world, args) for world in args.ranks]
+    print(f"{'ranks':>5} {'mode':>7} {'runs':>7} {'step ms':>8} {'hidden':>7} {'max diff':>9}   "
+          "(link: Gbit/s, its ms a step; compute ms a step)")
+    for r in results:
+        for mode, m in r["modes"].items():
+            hidden = "" if m["hidden"] is None else f"{m['hidden']:.2f}"
+            print(f"{r['world']:>5} {mode:>7} {m['overlap']:>7} {m['step_s'] * 1e3:8.1f} {hidden:>7} "
+                  f"{m['max_difference_from_none']:9.2g}   ({r['link_gbps']:.3f} Gbit/s, {r['link_s'] * 1e3:.0f} ms; "
+                  f"{r['compute_s'] * 1e3:.0f} ms)")
+    if args.out:
+        report = {"machine": machine(), "command": " ".join(["python benchmarks/bench_overlap.py", *(argv or sys.argv[1:])]),
+                  "shape": {k: getattr(args, k) for k in ("tokens", "d_model", "d_hidden", "shared_hidden", "experts",
+                                                           "top_k", "steps")},
+                  "results": results}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
