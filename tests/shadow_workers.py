@@ -211,9 +211,9 @@ def check_megatron_shadowing_equals_off(rank, world):
         assert (mlp.shadow_policy is None) == (shadow is None)
         shadow_rows, run_rows = [], mlp.dispatcher.run_rows
 
-        def spy(x, plan):
+        def spy(x, plan, *rest):
             shadow_rows.append(plan.num_shadow_rows)
-            return run_rows(x, plan)
+            return run_rows(x, plan, *rest)
         mlp.dispatcher.run_rows = spy
         steps = [training.train_step(model, optimizer, [batch(step, rank)]) for step in range(2)]
         # Shadowing on: rows really ran on a pulled copy of an expert at home (off, the lean
