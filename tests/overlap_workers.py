@@ -56,25 +56,44 @@ OVERLAP_CASES = [
     ("slot-recompute-experts", dict(exchange="slot", recompute="experts")),
     ("rank-sync-free", dict(exchange="rank", sync_free=True, max_tokens_per_rank=16)),
     ("slot-no-shared", dict(exchange="slot", shared_expert=None, shared_expert_gate=False)),
+    ("rank-replay", dict(exchange="rank", replay=True)),
+    ("slot-data-parallel", dict(exchange="slot", data_parallel=True)),
 ]
 
 
 def overlap_run(rank, world, overlap, options, steps=2):
-    """Two forward+backward passes (gradients accumulate) of one layer: everything each gives."""
+    """Two forward+backward passes (gradients accumulate) of one layer: everything each gives.
+    `replay`: the steps replay a routing recorded beforehand (router replay); `data_parallel`: the
+    layer is wrapped in DistributedGroupedDataParallel, whose reduction follows the backward."""
+    import contextlib
     kw = dict(d_model=D, d_hidden=H, top_k=2, gate="naive", shared_expert=H, shared_expert_gate=True)
     kw.update(options)
+    replay, data_parallel = kw.pop("replay", False), kw.pop("data_parallel", False)
     if "shadow" in kw:
         kw["shadow"] = FixedShadow(kw["shadow"])
     torch.manual_seed(0)
     layer = fmoe.FMoETransformerMLP(num_expert=E_PER_RANK, world_size=world, overlap=overlap, **kw)
-    seen = {"overlap": layer.overlap}
+    model = fmoe.DistributedGroupedDataParallel(layer) if data_parallel else layer
+    inputs = []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * rank + step)
-        x = torch.randn(6 + rank, D, generator=g, requires_grad=True)
-        y = layer(x)
-        (y * torch.randn(y.shape, generator=g)).sum().add(layer.aux_loss or 0).backward()
-        seen[f"y{step}"], seen[f"dx{step}"] = y.detach(), x.grad
-        seen[f"dropped{step}"], seen[f"counts{step}"] = layer.num_dropped, layer.last_counts_E.clone()
+        inputs.append((torch.randn(6 + rank, D, generator=g), torch.randn(6 + rank, D, generator=g)))
+    replaying = contextlib.nullcontext()
+    if replay:
+        routing = torch.Generator().manual_seed(7 + rank)     # another routing than the gate's
+        trace = fmoe.RoutingTrace({name: [torch.randperm(E_PER_RANK * world, generator=routing)[:2].repeat(len(x), 1)
+                                          for x, _ in inputs] for name in ("",)})
+        replaying = fmoe.replay_routing(layer, trace)
+    seen = {"overlap": layer.overlap}
+    with replaying:
+        for step, (x, probe) in enumerate(inputs):
+            x = x.clone().requires_grad_(True)
+            y = model(x)
+            (y * probe).sum().add(layer.aux_loss or 0).backward()
+            seen[f"y{step}"], seen[f"dx{step}"] = y.detach(), x.grad
+            seen[f"dropped{step}"], seen[f"counts{step}"] = layer.num_dropped, layer.last_counts_E.clone()
+    if data_parallel:
+        model.allreduce_params()
     seen.update({f"grad.{n}": p.grad for n, p in layer.named_parameters()})
     return seen
 
