@@ -124,6 +124,7 @@ def check_mask(mask, mask_dict):
         raise ValueError("mask_dict cannot hold 0: mask 0 marks the tokens that are routed")
     return mask, mask_dict
 
+
 def format_bytes(n: int) -> str:
     """A byte count for a person: 512 B, 1.5 KiB, 12.0 TiB."""
     power = 0

@@ -28,13 +28,13 @@ def _entry(rank, world, store, fn, args):
     exit_without_teardown()        # no destroy_process_group: a peer may be stopped
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "allreduce"])
-def test_fault_stopped_rank_fails_the_other_within_the_timeout(phase, tmp_path):
-    """Rank 1 SIGSTOPs itself; rank 0 must fail in the collective it waits in, naming it."""
+def what_rank_0_saw_of_a_stopped_peer(fn, phase: str, tmp_path) -> str:
+    """fn(rank, 2, phase, result_file) on 2 ranks, rank 1 stopping itself: rank 0 must finish (it
+    writes the error it raised to result_file, returned here) within 120 s; rank 1 is killed after."""
     result = tmp_path / "rank0.txt"
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, 2, str(tmp_path / "store"), dist_workers.stop_rank_mid_training,
-                                              (phase, str(result)))) for r in range(2)]
+    procs = [ctx.Process(target=_entry, args=(r, 2, str(tmp_path / "store"), fn, (phase, str(result))))
+             for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -45,7 +45,13 @@ def test_fault_stopped_rank_fails_the_other_within_the_timeout(phase, tmp_path):
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
             p.join()
-    message = result.read_text()
+    return result.read_text()
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "allreduce"])
+def test_fault_stopped_rank_fails_the_other_within_the_timeout(phase, tmp_path):
+    """Rank 1 SIGSTOPs itself; rank 0 must fail in the collective it waits in, naming it."""
+    message = what_rank_0_saw_of_a_stopped_peer(dist_workers.stop_rank_mid_training, phase, tmp_path)
     expected = {"forward": "counts all-to-all", "backward": "all-to-all (backward)",
                 "allreduce": "all-reduce of the"}[phase]
     assert "FMOE_COLLECTIVE_TIMEOUT" in message and expected in message, message

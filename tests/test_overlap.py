@@ -60,27 +60,8 @@ def test_overlap_compiled_equals_eager_none():
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_overlap_a_rank_stopped_while_handles_are_in_flight_fails_the_other_naming_the_layer(phase, tmp_path):
-    import os
-    import signal
-
-    import torch.multiprocessing as mp
-
-    from tests.test_fault_dist import _entry
-    result = tmp_path / "rank0.txt"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, 2, str(tmp_path / "store"), overlap_workers.stop_rank_while_in_flight,
-                                              (phase, str(result)))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        procs[0].join(120)
-        assert procs[0].exitcode == 0, f"rank 0 exit code {procs[0].exitcode} (None: it hung)"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-            p.join()
-    message = result.read_text()
+    from tests.test_fault_dist import what_rank_0_saw_of_a_stopped_peer
+    message = what_rank_0_saw_of_a_stopped_peer(overlap_workers.stop_rank_while_in_flight, phase, tmp_path)
     assert "FMOE_COLLECTIVE_TIMEOUT" in message and "all-to-all" in message, message
     assert "expert-parallel layer #0 FMoETransformerMLP(num_expert=2, d_model=8)" in message, message
 

@@ -91,7 +91,7 @@ def exchange_counts(counts_E: torch.Tensor, world_size: int, group=None, traffic
     link.complete(dist.all_to_all_single(recv, send, group=group, async_op=True), f"{current_layer()}: counts all-to-all",
                   link.all_to_all_bytes(ones, ones, row_bytes(send), dist.get_rank(group)))
     if traffic is not None:
-        traffic.add("routing", False, [1] * world_size, row_bytes(send))
+        traffic.add("routing", False, ones, row_bytes(send))
     return recv
 
 
@@ -127,6 +127,18 @@ def functional_group(group):
     return dist.group.WORLD if group is None else group
 
 
+def issue_all_to_all(x, send_splits, recv_splits, group, what: str, traffic: Optional[Traffic], kind: str,
+                     backward: bool):
+    """(out, its Pending): out being filled by the all-to-all of x's rows (send_splits out, recv_splits
+    in), the bytes sent counted in `traffic` as `kind`, forward or backward."""
+    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+    work = dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True)
+    if traffic is not None:
+        traffic.add(kind, backward, send_splits, row_bytes(x))
+    nbytes = link.all_to_all_bytes(send_splits, recv_splits, row_bytes(x), dist.get_rank(group))
+    return out, link.start(work, what, nbytes)
+
+
 class AllToAll(torch.autograd.Function):
     """all_to_all_single with uneven splits; the backward is the reverse exchange. Both count the
     bytes they send in `traffic` (when given) as `kind`, forward or backward."""
@@ -135,11 +147,8 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x, send_splits, recv_splits, group, what, traffic=None, kind="dispatch", backward=False):
         ctx.splits, ctx.group, ctx.what = (send_splits, recv_splits), group, what
         ctx.traffic, ctx.kind = traffic, kind
-        out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-        link.complete(dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True),
-                      what, link.all_to_all_bytes(send_splits, recv_splits, row_bytes(x), dist.get_rank(group)))
-        if traffic is not None:
-            traffic.add(kind, backward, send_splits, row_bytes(x))
+        out, pending = issue_all_to_all(x, send_splits, recv_splits, group, what, traffic, kind, backward)
+        pending.wait()
         return out
 
     @staticmethod
@@ -162,13 +171,7 @@ class Flight:
         self.grad_x: Optional[torch.Tensor] = None      # being filled by the gradient's exchange back
 
     def issue(self, x, send_splits, recv_splits, what: str, backward: bool):
-        """out, being filled by the all-to-all of x's rows (send_splits out, recv_splits in), and its Pending."""
-        out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-        work = dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=self.group, async_op=True)
-        if self.traffic is not None:
-            self.traffic.add(self.kind, backward, send_splits, row_bytes(x))
-        nbytes = link.all_to_all_bytes(send_splits, recv_splits, row_bytes(x), dist.get_rank(self.group))
-        return out, link.start(work, what, nbytes)
+        return issue_all_to_all(x, send_splits, recv_splits, self.group, what, self.traffic, self.kind, backward)
 
 
 class _Issue(torch.autograd.Function):
