@@ -35,14 +35,16 @@ from common import machine  # noqa: E402
 import fmoe  # noqa: E402
 from fmoe.distributed import link  # noqa: E402
 
-# What each row runs: the layer's overlap= and whether FasterMoE's smart schedule (one rank a step)
-# pipelines the exchange with the experts too (an older, opt-in overlap: equal to rounding, not bitwise).
-MODES = {"none": ("none", False), "shared": ("shared", False), "auto": ("auto", False),
-         "shared+schedule": ("shared", True)}
+# What each row runs: the layer's overlap=, whether FasterMoE's smart schedule (one rank a step)
+# pipelines the exchange with the experts too (an older, opt-in overlap: equal to rounding, not bitwise),
+# and whether the step's tokens run as two micro-batches interleaved (fmoe.interleave_micro_batches:
+# half the tokens each, gradients accumulated; equal to one batch up to rounding, the tokens' sums split).
+MODES = {"none": ("none", False, False), "shared": ("shared", False, False), "auto": ("auto", False, False),
+         "shared+schedule": ("shared", True, False), "two micro-batches": ("auto", False, True)}
 
 
 def build(world: int, mode: str, args) -> fmoe.FMoETransformerMLP:
-    overlap, schedule = MODES[mode]
+    overlap, schedule, _ = MODES[mode]
     torch.manual_seed(0)
     return fmoe.FMoETransformerMLP(num_expert=args.experts, world_size=world, d_model=args.d_model,
                                    d_hidden=args.d_hidden, top_k=args.top_k, gate="naive",
@@ -50,11 +52,21 @@ def build(world: int, mode: str, args) -> fmoe.FMoETransformerMLP:
                                    schedule_group_size=1)
 
 
-def step(layer, x, probe):
+def step(layer, x, probe, micro_batches=False):
+    """One forward+backward of the tokens x: their outputs and x's gradient."""
     x = x.detach().requires_grad_(True)
-    y = layer(x)
-    (y * probe).sum().backward()
-    return y.detach(), x.grad
+    if not micro_batches:
+        y = layer(x)
+        (y * probe).sum().backward()
+        return y.detach(), x.grad
+
+    def half(rows):
+        y = layer(x[rows])
+        (y * probe[rows]).sum().backward()
+        return y.detach()
+    middle = len(x) // 2
+    ys = fmoe.interleave_micro_batches(layer, half, [slice(0, middle), slice(middle, None)])
+    return torch.cat(ys), x.grad
 
 
 def slowest(seconds: float) -> float:
@@ -72,7 +84,7 @@ def timed_steps(layers: dict, x, probe, steps: int, gbps) -> dict:
             for name, layer in layers.items():
                 dist.barrier()
                 began = time.perf_counter()
-                step(layer, x, probe)
+                step(layer, x, probe, MODES[name][2])
                 times[name].append(slowest(time.perf_counter() - began))
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -96,13 +108,14 @@ def rank_main(rank: int, world: int, store: str, args, out_file: str):
     grads = {n: p.grad.clone() for n, p in layers["none"].named_parameters()}
     difference = {}
     for mode in list(MODES)[1:]:
-        out = step(layers[mode], x, probe)
+        out = step(layers[mode], x, probe, MODES[mode][2])
         diffs = [(a - b).abs().max().item() for a, b in zip(out, reference)]
         diffs += [(p.grad - grads[n]).abs().max().item() for n, p in layers[mode].named_parameters()]
         difference[mode] = max(diffs)
     for layer in layers.values():
         layer.zero_grad()
-    compute = timed_steps({"none": layers["none"]}, x, probe, args.steps, None)["none"]
+    without_link = timed_steps(layers, x, probe, args.steps, None)
+    compute = without_link["none"]
     layers["none"].traffic.reset()
     step(layers["none"], x, probe)
     carried = link_bytes(layers["none"])
@@ -114,7 +127,8 @@ def rank_main(rank: int, world: int, store: str, args, out_file: str):
                   "link_s": link_seconds, "modes": {}}
         for mode in MODES:
             result["modes"][mode] = {
-                "overlap": layers[mode].overlap, "schedule": MODES[mode][1], "step_s": with_link[mode],
+                "overlap": layers[mode].overlap, "schedule": MODES[mode][1], "micro_batches": 2 if MODES[mode][2] else 1,
+                "step_s": with_link[mode], "step_s_without_link": without_link[mode],
                 "hidden": (with_link["none"] - with_link[mode]) / link_seconds if link_seconds > 0 else None,
                 "max_difference_from_none": difference.get(mode, 0.0)}
         with open(out_file, "w") as f:
@@ -147,12 +161,12 @@ def main(argv=None):
     if args.quick:
         args.ranks, args.steps, args.tokens, args.d_model, args.d_hidden, args.shared_hidden = [2], 3, 64, 32, 32, 64
     results = [run_world(world, args) for world in args.ranks]
-    print(f"{'ranks':>5} {'mode':>15} {'runs':>7} {'step ms':>8} {'hidden':>7} {'max diff':>9}   "
+    print(f"{'ranks':>5} {'mode':>17} {'runs':>7} {'step ms':>8} {'no link':>8} {'hidden':>7} {'max diff':>9}   "
           "(link: Gbit/s, its ms a step; compute ms a step)")
     for r in results:
         for mode, m in r["modes"].items():
             hidden = "" if m["hidden"] is None else f"{m['hidden']:.2f}"
-            print(f"{r['world']:>5} {mode:>15} {m['overlap']:>7} {m['step_s'] * 1e3:8.1f} {hidden:>7} "
+            print(f"{r['world']:>5} {mode:>17} {m['overlap']:>7} {m['step_s'] * 1e3:8.1f} {m['step_s_without_link'] * 1e3:8.1f} {hidden:>7} "
                   f"{m['max_difference_from_none']:9.2g}   ({r['link_gbps']:.3f} Gbit/s, {r['link_s'] * 1e3:.0f} ms; "
                   f"{r['compute_s'] * 1e3:.0f} ms)")
     if args.out:

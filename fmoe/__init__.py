@@ -14,6 +14,7 @@ old_paths.install()     # before any import below, some of which still name old 
 
 # isort: split
 from fmoe.distributed.ddp import DistributedGroupedDataParallel
+from fmoe.distributed.interleave import interleave_micro_batches
 from fmoe.experts import FMoELinear, GroupedExperts
 from fmoe.gates import (BalancedGate, BaseGate, DCGate, FasterGate, GShardGate, NaiveGate, NoisyGate, Routing,
                         SwipeGate, SwitchGate, ZeroGate)
@@ -31,7 +32,7 @@ __all__ = [
     "BaseGate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "BalancedGate", "FasterGate",
     "ZeroGate", "DCGate", "SwipeGate", "DistributedGroupedDataParallel",
     "collect_aux_loss", "moefy", "register_bias_update", "end_step", "routing_stats", "RoutingStatsMeter",
-    "record_routing", "replay_routing", "RoutingTrace",
+    "record_routing", "replay_routing", "RoutingTrace", "interleave_micro_batches",
 ]
 
 

@@ -175,6 +175,9 @@ class FMoE(ForgetsLastForward, nn.Module):
         self.experts_call = experts_call(self, self.has_own_expert_fn)
 
     last_forward_attrs = ("aux_loss",)
+    # What a forward leaves for its own step: interleaved micro-batches keep one each (fmoe.distributed.interleave)
+    per_micro_batch_attrs = ("aux_loss", "last_overflow", "last_counts_E", "last_num_dropped", "last_num_unrouted",
+                             "traffic")
 
     def __setattr__(self, name, value):
         if name == "experts" and isinstance(value, nn.Module):

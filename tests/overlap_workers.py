@@ -61,16 +61,22 @@ OVERLAP_CASES = [
 ]
 
 
-def overlap_run(rank, world, overlap, options, steps=2):
-    """Two forward+backward passes (gradients accumulate) of one layer: everything each gives.
-    `replay`: the steps replay a routing recorded beforehand (router replay); `data_parallel`: the
-    layer is wrapped in DistributedGroupedDataParallel, whose reduction follows the backward."""
-    import contextlib
+def layer_options(options):
+    """A case's options -> (the layer's keyword arguments, replay?, data-parallel?)."""
     kw = dict(d_model=D, d_hidden=H, top_k=2, gate="naive", shared_expert=H, shared_expert_gate=True)
     kw.update(options)
     replay, data_parallel = kw.pop("replay", False), kw.pop("data_parallel", False)
     if "shadow" in kw:
         kw["shadow"] = FixedShadow(kw["shadow"])
+    return kw, replay, data_parallel
+
+
+def overlap_run(rank, world, overlap, options, steps=2):
+    """Two forward+backward passes (gradients accumulate) of one layer: everything each gives.
+    `replay`: the steps replay a routing recorded beforehand (router replay); `data_parallel`: the
+    layer is wrapped in DistributedGroupedDataParallel, whose reduction follows the backward."""
+    import contextlib
+    kw, replay, data_parallel = layer_options(options)
     torch.manual_seed(0)
     layer = fmoe.FMoETransformerMLP(num_expert=E_PER_RANK, world_size=world, overlap=overlap, **kw)
     model = fmoe.DistributedGroupedDataParallel(layer) if data_parallel else layer
@@ -207,3 +213,98 @@ def two_in_flight_queue(rank, world, gbps, rows, width, out_file):
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump({"seconds": took, "one": link.Link(gbps).seconds(nbytes)}, f)
+
+
+class TwoLayers(torch.nn.Module):
+    """A dense layer (the attention's stand-in), an MoE layer, a dense layer, an MoE layer."""
+
+    def __init__(self, world, overlap, kw):
+        super().__init__()
+        self.dense1, self.dense2 = torch.nn.Linear(D, D), torch.nn.Linear(D, D)
+        self.moe1 = fmoe.FMoETransformerMLP(num_expert=E_PER_RANK, world_size=world, overlap=overlap, **kw)
+        self.moe2 = fmoe.FMoETransformerMLP(num_expert=E_PER_RANK, world_size=world, overlap=overlap, **kw)
+
+    def forward(self, x):
+        return self.moe2(self.dense2(self.moe1(self.dense1(x)).tanh()))
+
+
+def micro_batch_run(rank, world, options, interleave: bool, overlap="auto", micro_batches=4):
+    """`micro_batches` forward+backward passes of a two-layer model accumulating gradients, one after
+    the other or two at a time interleaved (fmoe.interleave_micro_batches): everything each gives."""
+    import contextlib
+    kw, replay, data_parallel = layer_options(options)
+    torch.manual_seed(0)
+    model = TwoLayers(world, overlap, kw)
+    synced = fmoe.DistributedGroupedDataParallel(model) if data_parallel else None
+    batches = []
+    for i in range(micro_batches):
+        g = torch.Generator().manual_seed(100 * rank + i)
+        batches.append((i, torch.randn(5 + rank + i, D, generator=g), torch.randn(5 + rank + i, D, generator=g)))
+    seen, order = {}, []
+
+    def step(batch):
+        i, x, probe = batch
+        order.append(f"begin {i}")
+        x = x.clone().requires_grad_(True)
+        y = model(x)
+        aux = fmoe.collect_aux_loss(model)
+        (y * probe).sum().add(aux).backward()
+        order.append(f"end {i}")
+        seen[f"y{i}"], seen[f"dx{i}"], seen[f"aux{i}"] = y.detach(), x.grad, aux.detach()
+        for name in ("moe1", "moe2"):
+            layer = getattr(model, name)
+            seen[f"{name}.counts{i}"] = layer.last_counts_E.clone()
+            seen[f"{name}.dropped{i}"] = layer.num_dropped
+        return i
+
+    replaying = contextlib.nullcontext()
+    if replay:
+        routing = torch.Generator().manual_seed(7 + rank)
+        trace = fmoe.RoutingTrace({name: [torch.randperm(E_PER_RANK * world, generator=routing)[:2].repeat(len(x), 1)
+                                          for _, x, _ in batches] for name in ("moe1", "moe2")})
+        replaying = fmoe.replay_routing(model, trace)
+    with replaying:
+        if interleave:
+            assert fmoe.interleave_micro_batches(model, step, batches) == list(range(micro_batches))
+        else:
+            for batch in batches:
+                step(batch)
+    if synced is not None:
+        synced.allreduce_params()
+    for name in ("moe1", "moe2"):
+        layer = getattr(model, name)
+        seen[f"{name}.traffic"] = layer.traffic_bytes
+        seen[f"{name}.last_counts"] = layer.last_counts_E
+    seen.update({f"grad.{n}": p.grad for n, p in model.named_parameters()})
+    return seen, order
+
+
+# The overlap matrix, its capacity gate without random routing (random draws are per micro-batch; below)
+INTERLEAVE_CASES = [(name, dict(options, gate_kwargs={"random_routing": False}) if name == "slot-capacity" else options)
+                    for name, options in OVERLAP_CASES]
+
+
+def check_interleaved_micro_batches_equal_one_after_the_other(rank, world, cases=None):
+    for name, options in INTERLEAVE_CASES if cases is None else [c for c in INTERLEAVE_CASES if c[0] in cases]:
+        for overlap in ("none", "auto"):
+            plain, _ = micro_batch_run(rank, world, options, False, overlap)
+            mixed, order = micro_batch_run(rank, world, options, True, overlap)
+            # the second micro-batch began while the first ran (it ran while the first's rows travelled)
+            assert order.index("begin 1") < order.index("end 0") and order.index("begin 3") < order.index("end 2"), (name, overlap, order)
+            assert mixed.keys() == plain.keys(), name
+            differ = [key for key, value in plain.items()
+                      if not (torch.equal(value, mixed[key]) if isinstance(value, torch.Tensor) else value == mixed[key])]
+            assert not differ, f"rank {rank}, {name}, overlap={overlap}: {differ} differ from one after the other"
+
+
+def check_interleaved_random_draws_are_the_first_micro_batchs_and_reproducible(rank, world):
+    """GShard's random routing: the first micro-batch draws what it draws alone; the second from its
+    own stream, the same on every run."""
+    options = dict(exchange="slot", gate="gshard")
+    plain, _ = micro_batch_run(rank, world, options, False, micro_batches=2)
+    mixed = [micro_batch_run(rank, world, options, True, micro_batches=2)[0] for _ in range(2)]
+    for key, value in mixed[0].items():
+        same = torch.equal(value, mixed[1][key]) if isinstance(value, torch.Tensor) else value == mixed[1][key]
+        assert same, f"rank {rank}: {key} differs between two interleaved runs"
+    for key in ("y0", "moe1.counts0", "moe2.counts0"):
+        assert torch.equal(plain[key], mixed[0][key]), key

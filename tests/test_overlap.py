@@ -71,3 +71,12 @@ def test_overlap_simulated_link_queues_collectives_in_flight_together(tmp_path):
     run_ranks(overlap_workers.two_in_flight_queue, 2, 0.02, 1024, 16, str(out))
     took = json.loads(out.read_text())
     assert took["seconds"] >= 2 * took["one"], took
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlap_interleaved_micro_batches_equal_running_them_one_after_the_other(world):
+    run_ranks(overlap_workers.check_interleaved_micro_batches_equal_one_after_the_other, world)
+
+
+def test_overlap_interleaved_random_draws_are_per_micro_batch_and_reproducible():
+    run_ranks(overlap_workers.check_interleaved_random_draws_are_the_first_micro_batchs_and_reproducible, 2)

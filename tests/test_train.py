@@ -295,3 +295,26 @@ def test_train_on_two_processes_with_expert_parallelism_and_reshard_on_resume(co
                 for key in ("tokens_per_expert/0", "tokens_per_expert/1", "tokens_per_expert/2", "tokens_per_expert/3",
                             "dropped_slots", "unrouted_slots")]
     assert [sum(step) for step in zip(*slots_KS)] == [2 * 4 * 32 * 2] * 6
+
+
+def test_train_overlap_runs_two_interleaved_micro_batches_equal_to_the_whole_batch(corpus_file, tmp_path):
+    """--overlap on 2 expert-parallel processes: the loss curve of the whole-batch step, to fp32
+    rounding (the cross-entropy's mean splits over the halves; a balance loss or a capacity would be
+    each half's, so the naive gate and no balance loss here)."""
+    runs = {}
+    for name, extra in (("whole", []), ("overlap", ["--overlap"])):
+        out = tmp_path / name
+        cmd = [sys.executable, "-m", "fmoe.app.cli", "train", *TINY_MODEL, "--aux-coef", "0", "--gate", "naive", "--data",
+               str(corpus_file), "--out", str(out), "--no-progress", "--nproc", "2", "--ep-size", "2", "--steps", "4", *extra]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = json.loads((out / "history.json").read_text())
+    assert runs["overlap"]["step"] == [1, 2, 3, 4]
+    torch.testing.assert_close(torch.tensor(runs["overlap"]["loss"]), torch.tensor(runs["whole"]["loss"]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_train_overlap_needs_an_even_batch():
+    from fmoe.app.runtime import TrainConfig
+    with pytest.raises(ValueError, match="--batch-size must be even"):
+        TrainConfig(batch_size=3, overlap=True)

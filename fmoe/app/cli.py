@@ -66,6 +66,9 @@ def add_train_args(p: argparse.ArgumentParser):
                    help="processes on this machine, started through torchrun (GPUs with NCCL, else CPU with gloo)")
     g.add_argument("--ep-size", type=int, default=1,
                    help="expert-parallel size: experts spread over this many ranks; the rest is data parallel")
+    g.add_argument("--overlap", action="store_true",
+                   help="run each step's batch as two micro-batches of half of it, interleaved, so one's expert "
+                        "exchanges travel while the other computes (fmoe.interleave_micro_batches)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("dashboards")
     g.add_argument("--log", default=None, metavar="BACKENDS",
@@ -220,7 +223,7 @@ def run_train(args):
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
                       data=args.data, out=args.out, resume=args.resume, ep_size=args.ep_size,
                       save_every=args.save_every, keep=args.keep, resume_from=args.resume_from,
-                      compile=args.compile, log=args.log,
+                      compile=args.compile, log=args.log, overlap=args.overlap,
                       model_flags={field: flag(name) for name, field in MODEL_OPTIONS.items() if field in given})
     if args.hf_model is None:       # sizes that cannot fit: one line here, not an allocation's traceback
         check_training_fits(model_cfg, resolve_device(args.device), args.ep_size, cfg.model_flags)

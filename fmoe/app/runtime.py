@@ -36,6 +36,9 @@ class TrainConfig:
     keep: int = 2               # checkpoints kept: the newest and keep - 1 before it
     resume_from: Optional[str] = None   # a checkpoint.pt or step folder to resume from instead of the newest
     log: Optional[str] = None   # dashboards: tensorboard, wandb, both or none (None: tensorboard when installed)
+    # Each step's batch as two micro-batches interleaved (fmoe.interleave_micro_batches): one's exchanges
+    # travel while the other computes
+    overlap: bool = False
     # The model options the user gave (GPTConfig field -> its flag): a resumed run refuses one that
     # differs from the checkpoint's; the others take the checkpoint's values.
     model_flags: Dict[str, str] = field(default_factory=dict)
@@ -52,6 +55,9 @@ class TrainConfig:
                     or value < low or (strict and value == low)):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number {'>' if strict else '>='} "
                                  f"{low:g}, got {value!r}")
+        if self.overlap and self.batch_size % 2:
+            raise ValueError(f"--overlap runs each batch as two micro-batches of half of it: --batch-size must be "
+                             f"even, got {self.batch_size}")
         if self.resume_from is not None:
             self.resume = True
         parse_log(self.log)

@@ -4,6 +4,9 @@ The loop, its learning rate and optimizer, and saving and resuming are here; the
 processes, precision and signals are `fmoe.app.runtime`, what it reports besides the loss
 `fmoe.app.evaluation`. Their names are importable from here too (the old `fmoe.train` held them all);
 a test that patches `autocast` patches it in `fmoe.app.runtime`, where the steps look it up.
+
+About 420 lines in one module: the Trainer's step, save and resume share its state (the model, the
+optimizer, the sampler, the history) and are read together.
 """
 import math
 import os
@@ -27,6 +30,7 @@ from fmoe.app.runtime import (FAULT_PHASES, Interrupted, StopOnSignal, TrainConf
                               parse_fault, resolve_device)
 from fmoe.distributed import checkpoint as sharded
 from fmoe.distributed.ddp import DistributedGroupedDataParallel, clip_grad_norm_
+from fmoe.distributed.interleave import interleave_micro_batches
 from fmoe.layer import collect_aux_loss
 from fmoe.load_balancing import register_bias_update_if_needed
 from fmoe.observe.dashboards import Dashboards
@@ -283,6 +287,25 @@ class Trainer:
         if self.fault and self.fault[:2] == (phase, step) and self.fault[3] in (None, self.rank):
             os.kill(os.getpid(), self.fault[2])
 
+    def interleaved_forward_backward(self, x_BT, y_BT):
+        """--overlap: the batch as two micro-batches of half of it, interleaved; each backward takes half
+        of its loss, so the gradients are the whole batch's mean (its cross-entropy exactly, its balance
+        losses each half's). The step's loss and aux loss: the halves' means."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.fault_point("forward", self.step + 1)
+        half = len(x_BT) // 2
+
+        def micro_batch(rows):
+            with runtime.autocast(self.device):
+                _, loss = self.model(x_BT[rows], y_BT[rows])
+            aux = collect_aux_loss(self.model).detach()       # this micro-batch's (kept per micro-batch)
+            (loss / 2).backward()
+            return loss.detach(), aux
+
+        (loss_a, aux_a), (loss_b, aux_b) = interleave_micro_batches(self.model, micro_batch,
+                                                                      [slice(0, half), slice(half, None)])
+        return (loss_a + loss_b) / 2, (aux_a + aux_b) / 2
+
     def train_step(self) -> dict:
         """One optimizer step; returns what the history keeps of it."""
         step_start = time.perf_counter()
@@ -291,18 +314,22 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         x_BT, y_BT = (t.to(self.device) for t in self.sampler.next())
-        self.fault_point("forward", self.step + 1)
-        with runtime.autocast(self.device):
-            _, loss = self.model(x_BT, y_BT)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.fault_point("backward", self.step + 1)
-        loss.backward()
+        if self.cfg.overlap:
+            loss, aux = self.interleaved_forward_backward(x_BT, y_BT)
+        else:
+            self.fault_point("forward", self.step + 1)
+            with runtime.autocast(self.device):
+                _, loss = self.model(x_BT, y_BT)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.fault_point("backward", self.step + 1)
+            loss.backward()
+            aux = collect_aux_loss(self.model)
         if self.groups:
             self.synced.allreduce_params()
             grad_norm = clip_grad_norm_(self.model, self.cfg.grad_clip, self.groups.moe_group)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        aux = mean_over_ranks(collect_aux_loss(self.model).item())
+        aux = mean_over_ranks(aux.item())
         ce = mean_over_ranks(loss.item()) - self.model_cfg.aux_coef * aux
         if not math.isfinite(ce):
             raise FloatingPointError(f"loss became {ce} at step {self.step + 1}; try a lower --lr, or check "

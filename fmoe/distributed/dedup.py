@@ -43,12 +43,12 @@ def start_send(hop: Hop, x, what: str, kind: str) -> InFlight:
         hop.traffic.add(kind, False, hop.send_splits_W, row_bytes(x))
         if x.requires_grad:
             hop.traffic.add(kind, True, hop.recv_splits_W, row_bytes(x))
-    # A functional collective waits when its result is first read; eager, a simulated link delays that
-    # read (the forward's only: the backward's exchange is autograd's own).
+    # A functional collective waits when its result is first read. Eager, a Pending stands before that
+    # read: a simulated link delays it, and interleaved micro-batches hand the turn on there (the
+    # forward's only: the backward's exchange is autograd's own).
     out = fc.all_to_all_single_autograd(x.contiguous(), None, None, functional_group(hop.group))
-    delayed = not torch.compiler.is_compiling() and link.active_link() is not None
-    return InFlight(out, pending=link.start(None, what, link.all_to_all_bytes(
-        hop.send_splits_W, hop.recv_splits_W, row_bytes(x), dist.get_rank(hop.group))) if delayed else None)
+    return InFlight(out, pending=None if torch.compiler.is_compiling() else link.start(None, what, link.all_to_all_bytes(
+        hop.send_splits_W, hop.recv_splits_W, row_bytes(x), dist.get_rank(hop.group))))
 
 
 def send(hop: Hop, x, what: str, kind: str):

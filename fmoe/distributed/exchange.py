@@ -51,6 +51,10 @@ class Traffic:
     def __post_init__(self):
         self.reset()
 
+    def fresh(self) -> "Traffic":
+        """A new, empty count for the same rank (an interleaved micro-batch's own)."""
+        return Traffic(self.rank, self.ranks_per_node)
+
     def reset(self):
         self.bytes = {k: {p: {loc: 0 for loc in LOCALITIES} for p in PASSES} for k in KINDS}
 

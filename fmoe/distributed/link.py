@@ -19,6 +19,7 @@ and NCCL (on a GPU the host waits; the stream order is unchanged). Traced collec
 are not delayed: the link is a tool of eager runs.
 """
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -84,6 +85,20 @@ def simulated_link(gbps: Optional[float], latency_us: float = 0.0):
         _override.pop()
 
 
+_waiting = threading.local()    # this thread's turn-taking around waits (fmoe.distributed.interleave)
+
+
+def set_waiting(context):
+    """`context()` (a context manager) surrounds every wait of this thread for a collective: an
+    interleaved micro-batch hands the turn on there (None: nothing)."""
+    _waiting.context = context
+
+
+def _around_wait():
+    context = getattr(_waiting, "context", None)
+    return context() if context is not None else contextlib.nullcontext()
+
+
 _link_free_at = [0.0]       # when this rank's simulated link has carried everything started so far
 
 
@@ -93,20 +108,26 @@ class Pending:
 
     def __init__(self, works, what: str, nbytes: int, link: Optional[Link]):
         self.works, self.what = works, what
-        self.ready_at = None
+        self.ready_at, self.waited = None, False
         if link is not None:
             self.ready_at = max(time.monotonic(), _link_free_at[0]) + link.seconds(nbytes)
             _link_free_at[0] = self.ready_at
 
     def wait(self):
-        for work in self.works:
-            wait(work, self.what)
-        self.works = []
-        if self.ready_at is not None:
-            late = self.ready_at - time.monotonic()
-            if late > 0:
-                time.sleep(late)
-            self.ready_at = None
+        if self.waited:
+            return
+        self.waited = True
+        # Every first wait hands an interleaved micro-batch's turn on, empty or not: where turns pass
+        # must not depend on the data, so that every rank issues its collectives in the same order.
+        with _around_wait():
+            for work in self.works:
+                wait(work, self.what)
+            self.works = []
+            if self.ready_at is not None:
+                late = self.ready_at - time.monotonic()
+                if late > 0:
+                    time.sleep(late)
+                self.ready_at = None
 
 
 def start(work, what: str, nbytes: int) -> Pending:

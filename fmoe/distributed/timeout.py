@@ -5,6 +5,7 @@ The bound is `FMOE_COLLECTIVE_TIMEOUT` seconds (default 300). Collectives are is
 asynchronously and waited on with that timeout, which gloo and NCCL both honour; the process
 groups `make_groups` builds carry it too, so collectives issued elsewhere on them are bounded.
 """
+import threading
 from datetime import timedelta
 
 from fmoe.env import env_float
@@ -30,15 +31,14 @@ def wait(work, what: str):
         ) from err
 
 
-_current_layer = "an fmoe layer"
+_current = threading.local()     # per thread: interleaved micro-batches run in threads of their own
 
 
 def set_current_layer(name: str):
     """Names the layer whose collectives run now, for the messages above. The layer sets it as its
     forward begins; an exchange plan keeps the name for its backward."""
-    global _current_layer
-    _current_layer = name
+    _current.layer = name
 
 
 def current_layer() -> str:
-    return _current_layer
+    return getattr(_current, "layer", "an fmoe layer")

@@ -162,6 +162,7 @@ class BaseGate(ForgetsLastForward, nn.Module):
     loss = None                 # FastMoE's: the aux loss of the last forward
     last_logits_TE = None
     last_forward_attrs = ("loss", "last_logits_TE")
+    per_micro_batch_attrs = ("loss", "last_logits_TE", "replayed_TK")    # fmoe.distributed.interleave
     # Router replay (fmoe.replay): "record" or "replay" while fmoe.record_routing / replay_routing is on,
     # the gate's key to its tape there, and during a replayed route() the recorded experts [T, K].
     routing_mode = None

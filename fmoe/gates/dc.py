@@ -14,6 +14,8 @@ class DCGate(BaseGate):
     ceil(rate * tokens per rank), holds for the tokens of all ranks of `moe_group` together,
     filled first-come; `topk` must be 2."""
 
+    per_micro_batch_attrs = BaseGate.per_micro_batch_attrs + ("capacity_drops",)
+
     def __init__(self, d_model, num_expert, world_size=1, topk=2, capacity=(1.2, 2.4), random_routing=True,
                  gate_bias=True, moe_group=None):
         if topk != 2:

@@ -17,6 +17,7 @@ runs its torch or Triton body.
 import contextlib
 import functools
 import os
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -126,23 +127,23 @@ def _explained_choice(device: Optional[torch.device]) -> str:
     return f"{chosen} ({'not CUDA' if device is None else gpu_backend(cuda_capability(device))[1]})"
 
 
-_forced = [False]
+_forced = threading.local()    # per thread: interleaved micro-batches (fmoe.distributed.interleave)
 
 
 @contextlib.contextmanager
 def forced_sync_free(forced: bool = True):
     """The ops called inside keep their counts on the device (their backward too: each op keeps
     the choice it was called with); `forced=False`: as outside, inside another such block."""
-    before, _forced[0] = _forced[0], forced
+    before, _forced.on = getattr(_forced, "on", False), forced
     try:
         yield
     finally:
-        _forced[0] = before
+        _forced.on = before
 
 
 def sync_free(tensor: torch.Tensor) -> bool:
     """Whether the torch backend must keep counts on the device for this tensor."""
-    if torch.compiler.is_compiling() or tensor.is_cuda or _forced[0]:
+    if torch.compiler.is_compiling() or tensor.is_cuda or getattr(_forced, "on", False):
         return True
     return os.environ.get("FMOE_SYNC_FREE", "0").lower() in ("1", "true", "on", "yes")
 
