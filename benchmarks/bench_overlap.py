@@ -5,8 +5,10 @@
     python benchmarks/bench_overlap.py --quick                           # smoke: 2 ranks, few steps
 
 Each rank trains one MoE layer with shared experts (fmoe's FMoETransformerMLP, expert parallel over
-the ranks) forward+backward. First without a link, overlap="none": the step's compute (and the real,
-local exchange). The link (`fmoe.distributed.link`) is then set so that the bytes one step carries
+the ranks; `--attention-seq S`: after a self-attention block) forward+backward, 2048 tokens a rank.
+The modes: overlap="none", "shared", "pipeline", "auto" (which is "pipeline" here), FasterMoE's smart
+schedule, and the step as two micro-batches interleaved (fmoe.interleave_micro_batches, "auto" inside).
+First without a link, overlap="none": the step's compute (and the real, local exchange). The link (`fmoe.distributed.link`) is then set so that the bytes one step carries
 on a rank take as long as that step: communication about equal to compute. Every mode then runs
 under it, the modes taking turns step by step. For each mode,
 
@@ -14,7 +16,8 @@ under it, the modes taking turns step by step. For each mode,
 
 is the share of the link's time taken off the step (1: all hidden, 0: none). Medians of the
 slowest rank's step time. Also the largest difference of the mode's outputs and gradients from
-"none" (0.0: bit-identical). Prints a table; writes JSON only to --out.
+"none" (0.0: bit-identical; the two micro-batches sum each half's tokens apart, so rounding), and
+each mode's step without the link. Prints a table; writes JSON only to --out.
 """
 import argparse
 import json
@@ -39,17 +42,37 @@ from fmoe.distributed import link  # noqa: E402
 # pipelines the exchange with the experts too (an older, opt-in overlap: equal to rounding, not bitwise),
 # and whether the step's tokens run as two micro-batches interleaved (fmoe.interleave_micro_batches:
 # half the tokens each, gradients accumulated; equal to one batch up to rounding, the tokens' sums split).
-MODES = {"none": ("none", False, False), "shared": ("shared", False, False), "auto": ("auto", False, False),
-         "shared+schedule": ("shared", True, False), "two micro-batches": ("auto", False, True)}
+MODES = {"none": ("none", False, False), "shared": ("shared", False, False), "pipeline": ("pipeline", False, False),
+         "auto": ("auto", False, False), "shared+schedule": ("shared", True, False),
+         "two micro-batches": ("auto", False, True)}
 
 
-def build(world: int, mode: str, args) -> fmoe.FMoETransformerMLP:
+class Block(torch.nn.Module):
+    """The MoE layer, after a self-attention block when `seq` is given (a transformer layer: what
+    the other micro-batch computes while one's exchange travels); tokens [N, D] are N / seq sequences."""
+
+    def __init__(self, moe: fmoe.FMoETransformerMLP, d_model: int, seq: int = 0):
+        super().__init__()
+        self.moe, self.seq = moe, seq
+        if seq:
+            self.norm = torch.nn.LayerNorm(d_model)
+            self.attention = torch.nn.MultiheadAttention(d_model, max(1, d_model // 64), batch_first=True)
+
+    def forward(self, x):
+        if self.seq:
+            h = self.norm(x).view(-1, self.seq, x.shape[-1])
+            x = x + self.attention(h, h, h, need_weights=False)[0].reshape(x.shape)
+        return self.moe(x)
+
+
+def build(world: int, mode: str, args) -> Block:
     overlap, schedule, _ = MODES[mode]
     torch.manual_seed(0)
-    return fmoe.FMoETransformerMLP(num_expert=args.experts, world_size=world, d_model=args.d_model,
-                                   d_hidden=args.d_hidden, top_k=args.top_k, gate="naive",
-                                   shared_expert=args.shared_hidden, overlap=overlap, schedule=schedule,
-                                   schedule_group_size=1)
+    moe = fmoe.FMoETransformerMLP(num_expert=args.experts, world_size=world, d_model=args.d_model,
+                                  d_hidden=args.d_hidden, top_k=args.top_k, gate="naive",
+                                  shared_expert=args.shared_hidden, overlap=overlap, schedule=schedule,
+                                  schedule_group_size=1)
+    return Block(moe, args.d_model, args.attention_seq)
 
 
 def step(layer, x, probe, micro_batches=False):
@@ -91,7 +114,7 @@ def timed_steps(layers: dict, x, probe, steps: int, gbps) -> dict:
 
 def link_bytes(layer) -> int:
     """Bytes one step carried: what the busiest rank sent to the others, forward and backward."""
-    sent = layer.traffic.total()
+    sent = layer.moe.traffic.total()
     total = torch.tensor([sent], dtype=torch.float64)
     dist.all_reduce(total, op=dist.ReduceOp.MAX)
     return int(total)
@@ -116,7 +139,7 @@ def rank_main(rank: int, world: int, store: str, args, out_file: str):
         layer.zero_grad()
     without_link = timed_steps(layers, x, probe, args.steps, None)
     compute = without_link["none"]
-    layers["none"].traffic.reset()
+    layers["none"].moe.traffic.reset()
     step(layers["none"], x, probe)
     carried = link_bytes(layers["none"])
     gbps = carried * 8 / (compute * 1e9)            # the link's time for one step's bytes = the step's compute
@@ -127,7 +150,7 @@ def rank_main(rank: int, world: int, store: str, args, out_file: str):
                   "link_s": link_seconds, "modes": {}}
         for mode in MODES:
             result["modes"][mode] = {
-                "overlap": layers[mode].overlap, "schedule": MODES[mode][1], "micro_batches": 2 if MODES[mode][2] else 1,
+                "overlap": layers[mode].moe.overlap, "schedule": MODES[mode][1], "micro_batches": 2 if MODES[mode][2] else 1,
                 "step_s": with_link[mode], "step_s_without_link": without_link[mode],
                 "hidden": (with_link["none"] - with_link[mode]) / link_seconds if link_seconds > 0 else None,
                 "max_difference_from_none": difference.get(mode, 0.0)}
@@ -148,13 +171,15 @@ def run_world(world: int, args) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--tokens", type=int, default=512, help="tokens on each rank")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens on each rank")
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--d-hidden", type=int, default=256, help="each routed expert's hidden width")
     parser.add_argument("--shared-hidden", type=int, default=1024, help="the shared expert's hidden width")
     parser.add_argument("--experts", type=int, default=4, help="experts on each rank")
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--attention-seq", type=int, default=0, metavar="S",
+                        help="a self-attention block before the MoE layer, over sequences of S tokens (0: none)")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 3 steps, small shapes")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -172,7 +197,7 @@ def main(argv=None):
     if args.out:
         report = {"machine": machine(), "command": " ".join(["python benchmarks/bench_overlap.py", *(argv or sys.argv[1:])]),
                   "shape": {k: getattr(args, k) for k in ("tokens", "d_model", "d_hidden", "shared_hidden", "experts",
-                                                           "top_k", "steps")},
+                                                           "top_k", "steps", "attention_seq")},
                   "results": results}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_map
 from fmoe import kernels
 from fmoe.autocast import autocast_dtype
 from fmoe.distributed import dedup, exchange
+from fmoe.distributed.pipeline import chunked_plan, pipeline_chunks_for, pipelined_exchange
 from fmoe.distributed.schedule import scheduled_experts
 from fmoe.distributed.shadow import BufferPool, ShadowPull
 from fmoe.gates.base import Routing
@@ -38,16 +39,20 @@ from fmoe.gates.load_state import in_recompute
 from fmoe.routing import RoutingPlan
 from fmoe.shared_experts import NO_SHARED_TERM, SharedTerm
 
-OVERLAP_MODES = ("auto", "none", "shared")
+OVERLAP_MODES = ("auto", "none", "shared", "pipeline")
 
 
-def resolve_overlap(overlap, world_size: int) -> str:
-    """`overlap=` as the layer runs it: "auto" is "shared" across ranks (exact, and it pays whenever the
-    dispatch takes time: the shared experts run while it travels), "none" on one rank (nothing travels)."""
+def resolve_overlap(overlap, world_size: int, exchange_kind: str = "slot", num_expert: int = 1) -> str:
+    """`overlap=` as the layer runs it. "auto" across ranks: "pipeline" for the slot exchange with two
+    or more experts a rank (the exchange chunked by experts and pipelined with their GEMMs, the shared
+    experts alongside: exact, and it pays whenever the exchange takes time), else "shared" (the shared
+    experts while the dispatch travels); on one rank "none" (nothing travels)."""
     if overlap not in OVERLAP_MODES:
         raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {overlap!r}")
     if overlap == "auto":
-        return "shared" if world_size > 1 else "none"
+        if world_size == 1:
+            return "none"
+        return "pipeline" if exchange_kind == "slot" and num_expert > 1 else "shared"
     return overlap
 
 
@@ -96,8 +101,10 @@ class Exchange(OneRank):
         # sync_free: rows to each rank; the node exchange's `NodeGroup` (held, not its process group: a
         # deep copy of the layer shares it)
         self.bound, self.node_group = bound, node_group
-        # overlap="shared": the dispatch is started, the layer's work alongside runs, then it is waited for
-        self.overlap_shared = layer.overlap == "shared"
+        # overlap="shared": the dispatch is started, the layer's work alongside runs, then it is waited for;
+        # "pipeline" too, and the slot exchange goes in chunks of experts (fmoe.distributed.pipeline)
+        self.overlap_shared = layer.overlap in ("shared", "pipeline")
+        self.pipeline = layer.overlap == "pipeline"
 
     def start_dispatch(self, x_ND, plan: RoutingPlan, kind: str = "dispatch") -> exchange.InFlight:
         if self.overlap_shared:
@@ -153,6 +160,9 @@ class SlotExchange(Exchange):
         if call.weighs_rows and plan.shadow is None and self.schedule_group_size is None:
             # The permuted rows only travel; the received ones are the experts' input, kept once.
             weight_N = weight_TK.reshape(-1).index_select(0, plan.slot_N)
+            if self.pipelining(x_ND):
+                y_ND = self.pipelined(x_ND, plan, weight_N, call.rows, alongside)
+                return kernels.sum_rows(y_ND, plan, backend).to(autocast_dtype(x) or x.dtype)
             rows, weights = self.start_dispatch(x_ND, plan), self.start_dispatch(weight_N[:, None], plan, "routing")
             self.travelling(alongside)
             x_RD, weight_R = rows.wait(), weights.wait()[:, 0]
@@ -160,6 +170,17 @@ class SlotExchange(Exchange):
             return kernels.sum_rows(y_ND, plan, backend).to(autocast_dtype(x) or x.dtype)
         y_ND = self.layer.experts_call.checked(self.run_rows(x_ND, plan, alongside))
         return tree_map(lambda t: kernels.unpermute(t, plan, weight_TK, backend), y_ND)
+
+    def pipelining(self, x_ND) -> bool:
+        """overlap="pipeline" chunks this exchange: eager (traced, the exchange runs as "shared"), one
+        tensor of rows, nothing shadowed or scheduled (the callers check those)."""
+        return self.pipeline and isinstance(x_ND, torch.Tensor) and not torch.compiler.is_compiling()
+
+    def pipelined(self, x_ND, plan: RoutingPlan, weight_N, experts, alongside: SharedTerm):
+        """The exchange in chunks of local experts, as many as the performance model picks."""
+        chunks = pipeline_chunks_for(self.layer, x_ND)
+        return pipelined_exchange(x_ND, weight_N, plan.exchange, chunked_plan(plan.exchange, plan.counts_E, chunks),
+                                  experts, None if alongside.empty else alongside.run)
 
     def run_rows(self, x_ND, plan: RoutingPlan, alongside: SharedTerm = NO_SHARED_TERM):
         """Rows in expert order -> the experts' outputs in the same order, wherever the experts live."""
@@ -172,6 +193,8 @@ class SlotExchange(Exchange):
         pull = self.shadowing and self.shadowing.pull(plan, fold=self.schedule_group_size is None)
         if self.schedule_group_size is not None:
             y_sent = scheduled_experts(self.layer.experts, x_sent, plan.exchange, self.schedule_group_size)
+        elif pull is None and self.pipelining(x_sent):
+            y_sent = self.pipelined(x_sent, plan, None, lambda x_RD, counts_e, _: call.rows(x_RD, counts_e), alongside)
         else:
             rows = self.start_dispatch(x_sent, plan)
             self.travelling(alongside)

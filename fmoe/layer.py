@@ -170,7 +170,7 @@ class FMoE(ForgetsLastForward, nn.Module):
         # The parts each forward runs, chosen now (the experts' call again when experts are assigned).
         self.token_rows = TokenRows(self)
         self.token_mask = NO_MASK if self.mask is None else TokenMask(self.mask, self.mask_dict)
-        self.overlap = resolve_overlap(overlap, self.world_size)
+        self.overlap = resolve_overlap(overlap, self.world_size, self.exchange, self.num_expert)
         self.dispatcher = make_dispatcher(self, shadow_policy, self.schedule)
         self.experts_call = experts_call(self, self.has_own_expert_fn)
 

@@ -105,12 +105,15 @@ def overlap_run(rank, world, overlap, options, steps=2):
 
 
 def check_overlap_modes_equal_none(rank, world):
+    import os
+    os.environ["FMOE_PIPELINE_CHUNKS"] = "2"        # every local expert a chunk of its own
     for name, options in OVERLAP_CASES:
         plain = overlap_run(rank, world, "none", options)
         assert plain.pop("overlap") == "none"
-        for mode in ("shared", "auto"):
+        for mode in ("shared", "pipeline", "auto"):
             other = overlap_run(rank, world, mode, options)
-            assert other.pop("overlap") == "shared", (name, mode)
+            resolved = mode if mode != "auto" else "pipeline" if options.get("exchange") == "slot" else "shared"
+            assert other.pop("overlap") == resolved, (name, mode)
             assert other.keys() == plain.keys(), (name, mode)
             differ = [key for key, value in plain.items()
                       if not (torch.equal(value, other[key]) if isinstance(value, torch.Tensor) else value == other[key])]

@@ -224,3 +224,15 @@ def pipeline_time(stages: Sequence, steps: int):
     for stage in stages[1:]:
         longest = torch.maximum(longest, stage) if torch.is_tensor(longest) else max(longest, stage)
     return sum(stages) / steps + (steps - 1) * longest / steps
+
+
+def pipeline_chunks(model: PerfModel, rows: int, max_chunks: int, latency_s: float = 20e-6,
+                    net_bandwidth: Optional[float] = None) -> int:
+    """overlap="pipeline": how many chunks of local experts (1 .. max_chunks) the worker's `rows`
+    are best split into: the pipeline of rows out, the experts, rows back (forward and backward,
+    `worker_time`) over n chunks, plus `latency_s` for each of the 4 n collectives that then run.
+    `net_bandwidth`: the link's bytes/s when known (a simulated link), else the model's."""
+    if net_bandwidth is not None:
+        model = PerfModel(model.d_model, model.d_hidden, model.flops, net_bandwidth, model.bytes_per_element)
+    times = {n: model.worker_time(rows, n) + 4 * n * latency_s for n in range(1, max(1, max_chunks) + 1)}
+    return min(times, key=times.get)

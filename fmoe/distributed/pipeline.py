@@ -1,0 +1,137 @@
+"""The slot exchange split into chunks of the local experts and pipelined with their GEMMs
+(overlap="pipeline").
+
+Chunk c carries, from every rank to every rank, the rows for the experts [j0_c, j1_c) of each
+rank's local experts. All chunks' dispatches start at once (they queue on the link), the layer's
+work alongside (the shared experts) runs, then each chunk's experts run as soon as its rows are
+there and its outputs start back while the next chunk computes. In the backward autograd sends
+every chunk's output gradients at once and computes each chunk's input gradients as they arrive,
+sending them back while the next one computes.
+
+Every expert is in one chunk and sees the same rows in the same order as without chunks (source
+rank, then position), so its GEMMs are the same calls: the outputs and gradients equal the
+unchunked exchange bit for bit on the torch path (a Triton autotuner may pick another tile for
+the chunk's rows: equal to rounding there). Splitting needs the counts on the host, as the slot
+exchange's splits already do.
+"""
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+
+from fmoe.distributed import link
+from fmoe.distributed.exchange import ExchangePlan, Reorder, expert_major_order, start_all_to_all
+from fmoe.env import env_int
+from fmoe.perf.perfmodel import PerfModel, pipeline_chunks
+
+NCCL_LATENCY_S = 20e-6      # an all-to-all's fixed cost where no simulated link says otherwise
+
+
+@dataclass
+class Chunk:
+    """One chunk's share of the exchange."""
+    send_splits: List[int]          # rows to each rank
+    recv_splits: List[int]          # rows from each rank
+    order_R: torch.Tensor           # expert-major position -> position among its received rows
+    counts_e: torch.Tensor          # rows each local expert computes in this chunk (0 outside it)
+
+
+@dataclass
+class ChunkedPlan:
+    chunks: List[Chunk]
+    send_order_N: torch.Tensor      # the sent rows (expert order) regrouped chunk-major: chunk, rank, expert
+    return_order_N: torch.Tensor    # its inverse: the returned rows back in expert order
+
+
+def expert_bounds(num_local: int, chunks: int) -> List[int]:
+    """Chunk c holds the local experts [bounds[c], bounds[c + 1]): as even as can be."""
+    return [round(c * num_local / chunks) for c in range(chunks + 1)]
+
+
+def chunked_plan(exchange: ExchangePlan, sent_counts_E: torch.Tensor, chunks: int) -> ChunkedPlan:
+    """The exchange's rows in `chunks` chunks of local experts (at most one chunk an expert)."""
+    W, e = exchange.recv_counts_We.shape
+    chunks = max(1, min(chunks, e))
+    device = exchange.recv_counts_We.device
+    send_We, recv_We = sent_counts_E.reshape(W, e).tolist(), exchange.recv_counts_We.tolist()
+    starts, total = [], 0
+    for w in range(W):
+        row_starts = []
+        for j in range(e):
+            row_starts.append(total)
+            total += send_We[w][j]
+        starts.append(row_starts + [total])
+    bounds = expert_bounds(e, chunks)
+    plan, send_order = [], []
+    for c in range(chunks):
+        j0, j1 = bounds[c], bounds[c + 1]
+        for w in range(W):
+            send_order.append(torch.arange(starts[w][j0], starts[w][j1]))
+        recv_counts_WJ = exchange.recv_counts_We[:, j0:j1]
+        counts_e = torch.zeros(e, dtype=recv_counts_WJ.dtype, device=device)
+        counts_e[j0:j1] = recv_counts_WJ.sum(0)
+        plan.append(Chunk(send_splits=[sum(send_We[w][j0:j1]) for w in range(W)],
+                          recv_splits=[sum(recv_We[w][j0:j1]) for w in range(W)],
+                          order_R=expert_major_order(recv_counts_WJ), counts_e=counts_e))
+    send_order_N = (torch.cat(send_order) if send_order else torch.zeros(0, dtype=torch.long)).to(device)
+    return_order_N = torch.empty_like(send_order_N)
+    return_order_N[send_order_N] = torch.arange(send_order_N.numel(), device=device)
+    return ChunkedPlan(plan, send_order_N, return_order_N)
+
+
+def pipeline_chunks_for(layer, x_ND: torch.Tensor) -> int:
+    """The chunk count fmoe's performance model picks for the layer's rows (FMOE_FASTER_GLBPLC_* set
+    its throughput and bandwidth; a simulated link its bandwidth and latency), or FMOE_PIPELINE_CHUNKS."""
+    forced = env_int("FMOE_PIPELINE_CHUNKS", 0)
+    if forced < 0:
+        raise ValueError(f"FMOE_PIPELINE_CHUNKS must be an int >= 1 (0 or unset: the performance model's), "
+                         f"got {forced}")
+    if forced:
+        return min(forced, layer.num_expert)
+    d_hidden = getattr(layer.experts, "d_hidden", None) or layer.d_model
+    model = PerfModel.from_env(layer.d_model, d_hidden, x_ND.element_size())
+    simulated = link.active_link()
+    if simulated is None:
+        return pipeline_chunks(model, x_ND.shape[0], layer.num_expert, NCCL_LATENCY_S)
+    return pipeline_chunks(model, x_ND.shape[0], layer.num_expert, simulated.latency_us * 1e-6,
+                           simulated.gbps * 1e9 / 8)
+
+
+def inverse(order: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(order)
+    out[order] = torch.arange(order.numel(), device=order.device)
+    return out
+
+
+def pipelined_exchange(x_ND: torch.Tensor, weight_N: Optional[torch.Tensor], exchange: ExchangePlan,
+                       chunked: ChunkedPlan, experts: Callable, meanwhile: Optional[Callable[[], None]] = None):
+    """dispatch -> experts -> combine of the rows x_ND (in expert order), chunk by chunk: returns the
+    experts' outputs for x_ND's rows, in the same order. `experts(x_RD, counts_e, weight_R)`: the local
+    experts on received rows (expert-major); `weight_N`: routing weights travelling with the rows (None:
+    none); `meanwhile()` runs once every chunk's dispatch has started."""
+    what = f"{exchange.layer}: pipelined"
+    sizes = [sum(chunk.send_splits) for chunk in chunked.chunks]
+    x_parts = Reorder.apply(x_ND, chunked.send_order_N).split(sizes)
+    w_parts = None if weight_N is None else Reorder.apply(weight_N[:, None], chunked.send_order_N).split(sizes)
+    started = []
+    for c, chunk in enumerate(chunked.chunks):
+        rows = start_all_to_all(x_parts[c], chunk.send_splits, chunk.recv_splits, exchange.group,
+                                f"{what} dispatch all-to-all", exchange.traffic, "dispatch")
+        rows.order = chunk.order_R
+        weights = None if w_parts is None else start_all_to_all(
+            w_parts[c], chunk.send_splits, chunk.recv_splits, exchange.group, f"{what} routing all-to-all",
+            exchange.traffic, "routing")
+        if weights is not None:
+            weights.order = chunk.order_R
+        started.append((rows, weights))
+    if meanwhile is not None:
+        meanwhile()
+    returning = []
+    for chunk, (rows, weights) in zip(chunked.chunks, started):
+        x_RD = rows.wait()
+        y_RD = experts(x_RD, chunk.counts_e, None if weights is None else weights.wait()[:, 0])
+        y_back = Reorder.apply(y_RD, inverse(chunk.order_R))
+        returning.append(start_all_to_all(y_back, chunk.recv_splits, chunk.send_splits, exchange.group,
+                                          f"{what} combine all-to-all", exchange.traffic, "combine"))
+    y_parts = [back.wait() for back in returning]
+    return Reorder.apply(torch.cat(y_parts), chunked.return_order_N)
