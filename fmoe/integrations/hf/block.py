@@ -17,10 +17,28 @@ from fmoe.layer import FMoE
 
 class LogitsRecorder(nn.Module):
     """Identity on the router logits; subclassed per family with the family's router class, whose
-    instances transformers hooks to record `router_logits`."""
+    instances transformers hooks to record `router_logits`.
+
+    It holds no tensors of its own, but the family's router tensors are readable on it by the router's
+    names (`weight`, `bias`, `e_score_correction_bias`): views of the fmoe gate's, so that transformers'
+    initialisation (`post_init`, `init_weights`), which finds it by the router's class, initialises the
+    gate's router as the family initialises its own. A name the family's router had as None stays None."""
 
     def __init__(self):
         nn.Module.__init__(self)
+        object.__setattr__(self, "_router_views", {})
+
+    def view_router(self, gate: nn.Module, views: dict):
+        """Read each name of `views` as `gate`'s tensor under the state-dict key it maps to (or None)."""
+        object.__setattr__(self, "_router_gate", gate)
+        self._router_views.update(views)
+
+    def __getattr__(self, name):
+        views = self.__dict__.get("_router_views", {})
+        if name in views:
+            key = views[name]
+            return None if key is None else self.__dict__["_router_gate"].state_dict(keep_vars=True)[key]
+        return super().__getattr__(name)
 
     def forward(self, logits_TE):
         return logits_TE
@@ -32,8 +50,10 @@ class LogitsRecorder(nn.Module):
 _RECORDERS = {}
 
 
-def recorder_for(router: nn.Module) -> LogitsRecorder:
-    """A LogitsRecorder that is an instance of `router`'s class and carries its forward hooks."""
+def recorder_for(router: nn.Module, gate: nn.Module = None, router_keys: dict = None) -> LogitsRecorder:
+    """A LogitsRecorder that is an instance of `router`'s class and carries its forward hooks; with
+    `gate` and `router_keys` (the router's tensor names to the gate's state-dict keys) the router's
+    tensors read as the gate's."""
     cls = type(router)
     if cls not in _RECORDERS:
         _RECORDERS[cls] = type(f"FMoE{cls.__name__}Logits", (LogitsRecorder, cls), {})
@@ -41,6 +61,10 @@ def recorder_for(router: nn.Module) -> LogitsRecorder:
     # transformers installs its capturing hooks once per model: ones already on the router move over.
     for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
         getattr(recorder, hooks).update(getattr(router, hooks))
+    if gate is not None:
+        own = {name: None for name in list(router._parameters) + list(router._buffers)}
+        own.update({name: key for name, key in (router_keys or {}).items() if name in own})
+        recorder.view_router(gate, own)
     return recorder
 
 

@@ -20,6 +20,7 @@ from fmoe.integrations.hf.block import (HFMoEBlock, converted_blocks,  # noqa: F
                                         recorder_for)
 from fmoe.integrations.hf.export import save_pretrained
 from fmoe.integrations.hf.families import BY_BLOCK, ExpertWeights, Family, find_moe_blocks
+from fmoe.integrations.hf.seam import SeamMoE, convert_at_seam, find_seam_experts
 from fmoe.layer import FMoE, check_world
 
 FMOE_OPTIONS = ("backend", "shadow", "schedule", "schedule_group_size", "recompute")   # go to FMoE; other options to the gate
@@ -43,7 +44,8 @@ def plan_block(name: str, block: nn.Module, model_config, ep_size: int, options:
     family = BY_BLOCK.get(cls)
     try:
         if family is None:
-            raise ValueError(f"unknown MoE family: fmoe converts {sorted(BY_BLOCK)}")
+            raise ValueError(f"unknown MoE family: fmoe converts {sorted(BY_BLOCK)} whole; seam=True converts "
+                             "any family whose experts use transformers' experts interface at the experts seam")
         config = family.config_of(model_config)
         experts = family.read(block)
         E, D, F = experts.shape
@@ -93,7 +95,9 @@ def build_block(plan: BlockPlan, ep_size: int, moe_group, options: dict) -> HFMo
         if family.shared_gate:
             moe.shared_expert_gate.weight.copy_(getattr(block, family.shared_gate).weight)
     jitter = family.input_jitter(plan.config) if family.input_jitter else 0.0
-    new = HFMoEBlock(family.name, moe, recorder_for(getattr(block, family.router)), jitter)
+    prefix = family.router + "."
+    views = {hf_key[len(prefix):]: key for hf_key, key in family.router_keys.items() if hf_key.startswith(prefix)}
+    new = HFMoEBlock(family.name, moe, recorder_for(getattr(block, family.router), gate, views), jitter)
     return take_modes(new, block)
 
 
@@ -107,9 +111,17 @@ def take_modes(new: nn.Module, old: nn.Module) -> nn.Module:
     return new
 
 
-def convert(model: nn.Module, ep_size: int = 1, moe_group: Optional[dist.ProcessGroup] = None, **options):
+def convert(model: nn.Module, ep_size: int = 1, moe_group: Optional[dist.ProcessGroup] = None,
+            seam: Optional[bool] = None, **options):
     """Replace every sparse MoE block of the transformers model `model` by an `HFMoEBlock` holding the
     same weights, in place; returns the model.
+
+    `seam` chooses where fmoe takes over. True: at the experts seam, for any family whose experts
+    dispatch through transformers' experts interface (`fmoe.integrations.hf.seam`): the family's block,
+    router and shared experts stay, each experts module becomes a `SeamMoE` (options: FMoE's, and a
+    `capacity`). False: the whole block, for the families of `FAMILIES` only (fmoe's router, its
+    options). None (the default): the seam where no MoE block of the model is one of `FAMILIES`,
+    else the whole block.
 
     Every block is checked (and its replacement built) before any is swapped in: on an error naming
     the block the model is left unchanged. With `ep_size` > 1 (torch.distributed initialised;
@@ -120,9 +132,15 @@ def convert(model: nn.Module, ep_size: int = 1, moe_group: Optional[dist.Process
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"convert: {type(model).__name__} has no .config; pass a transformers PreTrainedModel")
-    if any(isinstance(m, HFMoEBlock) for m in model.modules()):
-        raise ValueError(f"convert: {type(model).__name__} is already converted (it holds HFMoEBlock layers)")
+    if seam not in (None, True, False):
+        raise ValueError(f"convert: seam must be True, False or None (decide by the model), got {seam!r}")
+    if any(isinstance(m, (HFMoEBlock, SeamMoE)) for m in model.modules()):
+        raise ValueError(f"convert: {type(model).__name__} is already converted (it holds fmoe layers)")
     blocks = find_moe_blocks(model)
+    if seam is None:
+        seam = not any(type(block).__name__ in BY_BLOCK for _, block in blocks) and bool(find_seam_experts(model))
+    if seam:
+        return convert_at_seam(model, ep_size, moe_group, **options)
     if not blocks:
         raise ValueError(f"convert: {type(model).__name__} has no sparse MoE block; upcycle a dense model with "
                          "fmoe.integrations.hf.moefy instead")
