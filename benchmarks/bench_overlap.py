@@ -37,6 +37,7 @@ from common import machine  # noqa: E402
 
 import fmoe  # noqa: E402
 from fmoe.distributed import link  # noqa: E402
+from fmoe.distributed.pipeline import pipeline_chunks_for  # noqa: E402
 
 # What each row runs: the layer's overlap=, whether FasterMoE's smart schedule (one rank a step)
 # pipelines the exchange with the experts too (an older, opt-in overlap: equal to rounding, not bitwise),
@@ -112,6 +113,44 @@ def timed_steps(layers: dict, x, probe, steps: int, gbps) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def median_seconds(run, steps: int) -> float:
+    """Median seconds of run() on the slowest rank."""
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        began = time.perf_counter()
+        run()
+        times.append(slowest(time.perf_counter() - began))
+    return statistics.median(times)
+
+
+def components(layer: Block, x, probe, steps: int) -> dict:
+    """Seconds of the step's parts, forward + backward, without a link (what `fmoe simulate --overlap`
+    builds its timeline from): the shared experts on the tokens, the routed experts on as many rows
+    as the tokens have slots (spread evenly over the local experts), and the rest of the step."""
+    moe = layer.moe
+
+    def shared():
+        x_in = x.detach().requires_grad_(True)
+        y = sum(expert(x_in) for expert in moe.shared_experts)
+        (y * probe).sum().backward()
+
+    rows = x.shape[0] * moe.top_k
+    counts = torch.full((moe.num_expert,), rows // moe.num_expert, dtype=torch.int64)
+    counts[: rows % moe.num_expert] += 1
+    x_rows, probe_rows = x.repeat(moe.top_k, 1), probe.repeat(moe.top_k, 1)
+    weights = torch.ones(rows)
+
+    def experts():
+        x_in = x_rows.detach().requires_grad_(True)
+        (moe.experts(x_in, counts, weights, lean=True) * probe_rows).sum().backward()
+
+    whole = median_seconds(lambda: step(layer, x, probe), steps)
+    parts = {"shared": median_seconds(shared, steps), "experts": median_seconds(experts, steps)}
+    layer.zero_grad()
+    return {"other": max(whole - parts["shared"] - parts["experts"], 0.0), **parts}
+
+
 def link_bytes(layer) -> int:
     """Bytes one step carried: what the busiest rank sent to the others, forward and backward."""
     sent = layer.moe.traffic.total()
@@ -143,11 +182,14 @@ def rank_main(rank: int, world: int, store: str, args, out_file: str):
     step(layers["none"], x, probe)
     carried = link_bytes(layers["none"])
     gbps = carried * 8 / (compute * 1e9)            # the link's time for one step's bytes = the step's compute
+    parts = components(layers["none"], x, probe, args.steps)
+    with link.simulated_link(gbps):                 # what overlap="pipeline" picks under this link
+        chunks = pipeline_chunks_for(layers["pipeline"].moe, x.new_empty(args.tokens * args.top_k, 0))
     with_link = timed_steps(layers, x, probe, args.steps, gbps)
     if rank == 0:
         link_seconds = with_link["none"] - compute
         result = {"world": world, "compute_s": compute, "link_gbps": gbps, "link_bytes_per_step": carried,
-                  "link_s": link_seconds, "modes": {}}
+                  "link_s": link_seconds, "components_s": parts, "pipeline_chunks": chunks, "modes": {}}
         for mode in MODES:
             result["modes"][mode] = {
                 "overlap": layers[mode].moe.overlap, "schedule": MODES[mode][1], "micro_batches": 2 if MODES[mode][2] else 1,

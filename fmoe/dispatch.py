@@ -56,6 +56,15 @@ def resolve_overlap(overlap, world_size: int, exchange_kind: str = "slot", num_e
     return overlap
 
 
+def sharded_by_fsdp(module) -> bool:
+    """`module` is FSDP2's and its parameters are sharded over more than one rank."""
+    state = getattr(module, "_get_fsdp_state", None)
+    if state is None:
+        return False
+    group = state()._fsdp_param_group
+    return group is not None and group.mesh_info.shard_mesh_size > 1
+
+
 class Shadowing:
     """FasterMoE's shadowing of hot experts: the policy that picks them each step (`plan`) and
     the pull of their parameters (`pull`), through buffers kept from step to step."""
@@ -173,8 +182,10 @@ class SlotExchange(Exchange):
 
     def pipelining(self, x_ND) -> bool:
         """overlap="pipeline" chunks this exchange: eager (traced, the exchange runs as "shared"), one
-        tensor of rows, nothing shadowed or scheduled (the callers check those)."""
-        return self.pipeline and isinstance(x_ND, torch.Tensor) and not torch.compiler.is_compiling()
+        tensor of rows, nothing shadowed or scheduled (the callers check those), and experts that FSDP2
+        does not shard (each chunk's call would gather their parameters again)."""
+        return (self.pipeline and isinstance(x_ND, torch.Tensor) and not torch.compiler.is_compiling()
+                and not sharded_by_fsdp(self.layer.experts))
 
     def pipelined(self, x_ND, plan: RoutingPlan, weight_N, experts, alongside: SharedTerm):
         """The exchange in chunks of local experts, as many as the performance model picks."""

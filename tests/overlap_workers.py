@@ -311,3 +311,36 @@ def check_interleaved_random_draws_are_the_first_micro_batchs_and_reproducible(r
         assert same, f"rank {rank}: {key} differs between two interleaved runs"
     for key in ("y0", "moe1.counts0", "moe2.counts0"):
         assert torch.equal(plain[key], mixed[0][key]), key
+
+
+def check_overlap_modes_equal_none_under_fsdp2(rank, world, ep_size):
+    """FSDP2 (fmoe.distributed.fsdp.shard_model: the experts sharded over the ranks that hold the same
+    ones, the rest over all): each overlap mode's outputs and gradients (gathered) equal "none" bit
+    for bit, over two steps."""
+    import os
+    from fmoe.distributed.fsdp import shard_model
+    from fmoe.distributed.groups import make_groups
+    os.environ["FMOE_PIPELINE_CHUNKS"] = "2"
+    groups = make_groups(ep_size)
+    runs = {}
+    for overlap in ("none", "shared", "pipeline", "auto"):
+        kw, _, _ = layer_options(dict(exchange="slot"))
+        torch.manual_seed(0)
+        model = TwoLayers(ep_size, overlap, dict(kw, moe_group=groups.moe_group))
+        shard_model(model, groups)
+        if overlap in ("pipeline", "auto"):
+            # experts FSDP shards (ep_size < world) would be gathered again by each chunk: "shared" then
+            assert model.moe1.dispatcher.pipelining(torch.zeros(1, D)) == (ep_size == world), (overlap, ep_size)
+        seen = {}
+        for step in range(2):
+            g = torch.Generator().manual_seed(100 * rank + step)
+            x, probe = torch.randn(6 + rank, D, generator=g), torch.randn(6 + rank, D, generator=g)
+            y = model(x)
+            (y * probe).sum().backward()
+            seen[f"y{step}"] = y.detach()
+        seen.update({n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                     for n, p in model.named_parameters()})
+        runs[overlap] = seen
+    for overlap in ("shared", "pipeline", "auto"):
+        differ = [k for k, v in runs["none"].items() if not torch.equal(v, runs[overlap][k])]
+        assert not differ, f"rank {rank}, FSDP2, overlap={overlap}: {differ} differ from 'none'"

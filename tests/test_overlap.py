@@ -80,3 +80,26 @@ def test_overlap_interleaved_micro_batches_equal_running_them_one_after_the_othe
 
 def test_overlap_interleaved_random_draws_are_per_micro_batch_and_reproducible():
     run_ranks(overlap_workers.check_interleaved_random_draws_are_the_first_micro_batchs_and_reproducible, 2)
+
+
+def test_overlap_model_timelines_add_up():
+    """The timeline of `fmoe.perf.overlap_model`: in line, the step is compute + link; overlapped, never
+    less than the longer of the two; with no link every mode is the compute."""
+    from fmoe.perf.overlap_model import Components, predict
+    parts = Components(other=0.03, shared=0.06, experts=0.09)
+    assert predict(parts, 0.12, "none") == pytest.approx(0.30)
+    for mode, chunks, micro in [("shared", 1, 1), ("pipeline", 4, 1), ("pipeline", 4, 2), ("shared", 1, 2)]:
+        assert predict(parts, 0.0, mode, chunks, micro) == pytest.approx(0.18)
+        step = predict(parts, 0.12, mode, chunks, micro)
+        assert 0.18 <= step < 0.30, (mode, chunks, micro, step)
+    # shared hides the dispatch behind the shared experts' forward and the output gradients behind their
+    # backward: 0.02 and 0.04 of compute against legs of 0.03 each
+    assert predict(parts, 0.12, "shared") == pytest.approx(0.30 - 0.02 - 0.03)
+    assert predict(parts, 0.12, "pipeline", 4) < predict(parts, 0.12, "shared")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        predict(parts, 0.1, "chunks")
+
+
+@pytest.mark.parametrize("world, ep_size", [(2, 2), (4, 2)])
+def test_overlap_modes_under_fsdp2_equal_none(world, ep_size):
+    run_ranks(overlap_workers.check_overlap_modes_equal_none_under_fsdp2, world, ep_size)

@@ -27,6 +27,7 @@ import torch
 
 from fmoe.app.files import save_figure, write_json
 from fmoe.perf.calibration import calibrate
+from fmoe.perf.overlap_model import PREDICTED, cluster_modes, compare_with_bench
 from fmoe.perf.perfmodel import PerfModel, dedup_row_share
 
 STRATEGIES = ("plain", "shadow", "schedule", "both")
@@ -75,6 +76,7 @@ def simulate_one(model: PerfModel, gpus: int, experts_per_gpu: int, tokens_per_g
         "both": model.layer_time(counts_WE, shadowed_scheduled, steps, row_share_W=share_W),
     }
     return {"gpus": gpus, "distribution": distribution, "exchange": exchange, "seconds": times,
+            "busiest_rows": float(received_W.max()),
             "speedup": {k: times["plain"] / v for k, v in times.items()},
             "rows_vs_slot": 1.0 if share_W is None else float((share_W * received_W).sum() / received_W.sum()),
             "shadowed_experts": len(shadowed), "shadowed_experts_with_schedule": len(shadowed_scheduled)}
@@ -268,6 +270,12 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--compare", metavar="BENCH_JSON",
                    help="predict a bench_shadow --out run's step times: R^2, compare.json, compare.png")
     p.add_argument("--paper", action="store_true", help="also FasterMoE's 16- and 64-GPU clusters beside its figures")
+    p.add_argument("--shared-hidden", type=int, default=0,
+                   help="a shared expert of this d_hidden beside the routed ones (what overlap hides the dispatch with)")
+    p.add_argument("--latency-us", type=float, default=20.0, help="each collective's fixed cost, microseconds")
+    p.add_argument("--overlap-compare", metavar="BENCH_JSON",
+                   help="predict a bench_overlap --out run's step time of each overlap mode from its own measured "
+                        "parts: overlap-compare.json")
 
 
 def run(args) -> List[dict]:
@@ -276,6 +284,8 @@ def run(args) -> List[dict]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(g < 1 for g in args.gpus):
         raise ValueError(f"--gpus must be positive, got {args.gpus}")
+    if args.overlap_compare:
+        return compare_overlap(Path(args.overlap_compare), Path(args.out))
     if args.compare:
         bench = json.loads(Path(args.compare).read_text())
         if args.calibrate:          # this machine's constants at the bench run's shapes
@@ -297,21 +307,40 @@ def run(args) -> List[dict]:
     group = min(args.group_size, args.gpus_per_node)
     rows = [simulate_one(model, g, args.experts_per_gpu, args.tokens_per_gpu, args.top_k, d, group, args.exchange)
             for d in args.dist for g in args.gpus]
+    for r in rows:              # each overlap mode for the busiest worker's rows
+        r["overlap"] = cluster_modes(model, r.pop("busiest_rows"), args.tokens_per_gpu, args.shared_hidden,
+                                     args.experts_per_gpu, args.latency_us * 1e-6)
     print(f"modelled MoE layer step (ms), d_model {args.d_model}, d_hidden {args.d_hidden}, "
           f"{args.tokens_per_gpu} tokens/GPU, top-{args.top_k}, {args.flops:.3g} FLOP/s, {args.net_bw:.3g} B/s, "
           f"{args.exchange} exchange")
     print(f"{'dist':>10s}{'GPUs':>6s}" + "".join(f"{s:>10s}" for s in STRATEGIES) + f"{'shadow x':>10s}{'sched x':>9s}"
-          f"{'both x':>8s}{'rows x slot':>12s}")
+          f"{'both x':>8s}{'rows x slot':>12s}   overlap= none / shared / pipeline / two micro-batches (ms)")
     for r in rows:
-        t, s = r["seconds"], r["speedup"]
+        t, s, o = r["seconds"], r["speedup"], r["overlap"]["seconds"]
         print(f"{r['distribution']:>10s}{r['gpus']:>6d}" + "".join(f"{t[k] * 1e3:10.2f}" for k in STRATEGIES)
-              + f"{s['shadow']:10.2f}{s['schedule']:9.2f}{s['both']:8.2f}{r['rows_vs_slot']:12.3f}")
+              + f"{s['shadow']:10.2f}{s['schedule']:9.2f}{s['both']:8.2f}{r['rows_vs_slot']:12.3f}   "
+              + " / ".join(f"{o[m] * 1e3:.2f}" for m in PREDICTED) + f" ({r['overlap']['chunks']} chunks)")
     paper = paper_rows(args, model, min(args.group_size, 8)) if args.paper else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "simulate.json", {"config": vars(args), "results": rows, "paper": paper}, indent=2)
     plot(rows, args.dist, out / "simulate.png")
     print(f"wrote {out / 'simulate.json'} and {out / 'simulate.png'}")
+    return rows
+
+
+def compare_overlap(bench_json: Path, out: Path) -> List[dict]:
+    """Each overlap mode's measured step (bench_overlap) beside the timeline's prediction
+    (`fmoe.perf.overlap_model`); prints them and writes overlap-compare.json."""
+    rows = compare_with_bench(json.loads(bench_json.read_text()))
+    print(f"{'ranks':>5} {'mode':>17} {'chunks':>6} {'measured ms':>11} {'predicted ms':>12} {'error':>7}")
+    for r in rows:
+        print(f"{r['world']:>5} {r['mode']:>17} {r['chunks']:>6} {r['measured_s'] * 1e3:11.1f} "
+              f"{r['predicted_s'] * 1e3:12.1f} {r['error']:+7.1%}")
+    out.mkdir(parents=True, exist_ok=True)
+    worst = max(abs(r["error"]) for r in rows) if rows else None
+    write_json(out / "overlap-compare.json", {"bench": str(bench_json), "worst_error": worst, "rows": rows}, indent=2)
+    print(f"worst error {worst:.1%}; wrote {out / 'overlap-compare.json'}")
     return rows
 
 

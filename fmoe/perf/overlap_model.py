@@ -1,0 +1,143 @@
+"""What each overlap mode makes of a step: a timeline of one MoE layer's forward and backward.
+
+A step is the compute of its parts (seconds, forward + backward, a third of each in the forward):
+`other` (the gate, the permutes and sums, the bookkeeping), `shared` (the shared experts) and
+`experts` (the routed experts' GEMMs), and the seconds its four legs take on the link (`link`: rows
+out and back, then their gradients back and out, a quarter each). One link a rank: transfers queue
+on it in the order they start (as `fmoe.distributed.link` simulates it). Each mode is a list of
+operations as the layer runs them; `step_seconds` plays them:
+
+    none       other, dispatch, experts, combine, shared; backward likewise, all in line
+    shared     the shared experts while the dispatch travels, their backward while the output
+               gradients travel (autograd runs them first)
+    pipeline   "shared", and the exchange in n chunks: every dispatch starts at once, each chunk's
+               experts when its rows are there, its combine started as the next chunk computes;
+               in the backward each chunk's input gradients start back as the next one computes
+    two micro-batches (`micro_batches=2`): two such lists, each of half the compute and bytes,
+               taking turns at every wait (`fmoe.interleave_micro_batches`): the one whose turn it
+               is runs until it waits, then the other runs; the first takes the turn back and
+               waits what is left of its transfer
+
+`predict(components, link, mode, chunks, micro_batches)`; `fmoe simulate --overlap FILE` holds it
+against `benchmarks/bench_overlap.py`'s measurements.
+"""
+from dataclasses import dataclass
+from typing import List, Tuple
+
+MODES = ("none", "shared", "pipeline")
+
+
+@dataclass(frozen=True)
+class Components:
+    """Seconds of a step's compute, forward + backward."""
+    other: float
+    shared: float
+    experts: float
+
+    @property
+    def total(self) -> float:
+        return self.other + self.shared + self.experts
+
+    def scaled(self, factor: float) -> "Components":
+        return Components(self.other * factor, self.shared * factor, self.experts * factor)
+
+
+def operations(c: Components, link: float, mode: str, chunks: int = 1) -> List[Tuple]:
+    """The layer's step as ("compute", s), ("send", name, s) and ("wait", name)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    fwd, bwd = 1 / 3, 2 / 3
+    leg = link / 4
+    o_f, s_f, x_f = c.other * fwd, c.shared * fwd, c.experts * fwd
+    o_b, s_b, x_b = c.other * bwd, c.shared * bwd, c.experts * bwd
+    if mode == "none":
+        return [("compute", o_f / 2), ("send", "d", leg), ("wait", "d"), ("compute", x_f), ("send", "c", leg),
+                ("wait", "c"), ("compute", s_f + o_f / 2),
+                ("compute", s_b), ("send", "gy", leg), ("wait", "gy"), ("compute", x_b), ("send", "gx", leg),
+                ("wait", "gx"), ("compute", o_b)]
+    n = chunks if mode == "pipeline" else 1
+    ops = [("compute", o_f / 2)] + [("send", f"d{i}", leg / n) for i in range(n)] + [("compute", s_f)]
+    for i in range(n):
+        ops += [("wait", f"d{i}"), ("compute", x_f / n), ("send", f"c{i}", leg / n)]
+    ops += [("wait", f"c{i}") for i in range(n)] + [("compute", o_f / 2)]
+    ops += [("send", f"gy{i}", leg / n) for i in range(n)] + [("compute", s_b)]
+    for i in range(n):
+        ops += [("wait", f"gy{i}"), ("compute", x_b / n), ("send", f"gx{i}", leg / n)]
+    return ops + [("wait", f"gx{i}") for i in range(n)] + [("compute", o_b)]
+
+
+def step_seconds(workers: List[List[Tuple]]) -> float:
+    """Plays one worker's operations, or two taking turns at every wait; one link, first come first served."""
+    now = link_free = 0.0
+    ready = [{} for _ in workers]           # per worker: transfer -> when it has arrived
+    position = [0] * len(workers)
+    handed = [False] * len(workers)         # the worker handed the turn on at the wait it stands at
+    turn = 0
+    while any(position[w] < len(ops) for w, ops in enumerate(workers)):
+        if position[turn] >= len(workers[turn]):
+            turn = 1 - turn                 # it ended: the other runs alone
+            continue
+        op = workers[turn][position[turn]]
+        if op[0] == "wait":
+            other = 1 - turn
+            if len(workers) == 2 and not handed[turn] and position[other] < len(workers[other]):
+                handed[turn], turn = True, other
+                continue
+            handed[turn] = False
+            now = max(now, ready[turn][op[1]])
+        elif op[0] == "send":
+            link_free = max(now, link_free) + op[2]
+            ready[turn][op[1]] = link_free
+        else:
+            now += op[1]
+        position[turn] += 1
+    return now
+
+
+def predict(components: Components, link: float, mode: str, chunks: int = 1, micro_batches: int = 1) -> float:
+    """Seconds of a step in `mode` (micro_batches 1, or 2 interleaved, each half the compute and bytes)."""
+    if micro_batches not in (1, 2):
+        raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches!r}")
+    if micro_batches == 1:
+        return step_seconds([operations(components, link, mode, chunks)])
+    half = operations(components.scaled(0.5), link / 2, mode, chunks)
+    return step_seconds([half, half])
+
+
+# The modes a layer runs (`overlap=`), and the step as two interleaved micro-batches
+PREDICTED = ("none", "shared", "pipeline", "two micro-batches")
+
+
+def cluster_modes(model, rows: float, tokens: int, shared_hidden: int, max_chunks: int,
+                  latency_s: float = 20e-6) -> dict:
+    """Each mode's modelled step seconds for a worker whose experts take `rows` rows (and send as
+    many), with `tokens` tokens through a shared expert of `shared_hidden` (0: none): the experts'
+    and the link's time from the performance model `model` (`fmoe.perf.perfmodel.PerfModel`)."""
+    from fmoe.perf.perfmodel import pipeline_chunks
+    parts = Components(other=model.overhead_per_row * rows, experts=model.compute_time(rows),
+                       shared=model.compute_time(tokens) * shared_hidden / model.d_hidden)
+    link = model.traffic_time(rows) + 4 * latency_s
+    chunks = pipeline_chunks(model, int(rows), max_chunks, latency_s)
+    return {"chunks": chunks, "seconds": {
+        "none": predict(parts, link, "none"), "shared": predict(parts, link, "shared"),
+        "pipeline": predict(parts, link, "pipeline", chunks),
+        "two micro-batches": predict(parts, link, "pipeline", chunks, micro_batches=2)}}
+
+
+def compare_with_bench(bench: dict) -> list:
+    """`benchmarks/bench_overlap.py`'s measured step of each mode beside the timeline's prediction from
+    that run's own parts: the compute parts measured without a link (scaled to the mode's own step
+    without it), the link's seconds (none with it minus none without), the chunks it ran."""
+    rows = []
+    for result in bench["results"]:
+        parts = Components(**result["components_s"])
+        for name, measured in result["modes"].items():
+            if measured.get("schedule") or measured["overlap"] not in MODES:
+                continue                    # FasterMoE's smart schedule: its own model (fmoe simulate)
+            chunks = result.get("pipeline_chunks", 1) if measured["overlap"] == "pipeline" else 1
+            own = parts.scaled(measured["step_s_without_link"] / parts.total)
+            predicted = predict(own, result["link_s"], measured["overlap"], chunks, measured.get("micro_batches", 1))
+            rows.append({"world": result["world"], "mode": name, "overlap": measured["overlap"], "chunks": chunks,
+                         "micro_batches": measured.get("micro_batches", 1), "measured_s": measured["step_s"],
+                         "predicted_s": predicted, "error": predicted / measured["step_s"] - 1})
+    return rows
