@@ -344,3 +344,30 @@ def check_overlap_modes_equal_none_under_fsdp2(rank, world, ep_size):
     for overlap in ("shared", "pipeline", "auto"):
         differ = [k for k, v in runs["none"].items() if not torch.equal(v, runs[overlap][k])]
         assert not differ, f"rank {rank}, FSDP2, overlap={overlap}: {differ} differ from 'none'"
+
+
+def check_interleaved_compiled_equals_one_after_the_other(rank, world):
+    """A compiled model (aot_eager: its exchanges run eagerly between graphs) takes turns too, equal to the loop."""
+    runs = {}
+    for interleave in (False, True):
+        kw, _, _ = layer_options(dict(exchange="slot"))
+        torch.manual_seed(0)
+        model = TwoLayers(world, "auto", kw)
+        with torch.no_grad():
+            model(torch.zeros(1, D))        # the first forward agrees with the peers, eagerly
+        model.compile(backend="aot_eager")
+        order = []
+
+        def step(i):
+            order.append(f"begin {i}")
+            g = torch.Generator().manual_seed(10 * rank + i)
+            y = model(torch.randn(5 + i, D, generator=g))
+            y.sum().backward()
+            order.append(f"end {i}")
+            return y.detach()
+        ys = fmoe.interleave_micro_batches(model, step, [0, 1]) if interleave else [step(0), step(1)]
+        runs[interleave] = (ys, {n: p.grad for n, p in model.named_parameters()}, order)
+    (ys, grads, _), (ys_i, grads_i, order) = runs[False], runs[True]
+    assert order.index("begin 1") < order.index("end 0"), order
+    assert all(torch.equal(a, b) for a, b in zip(ys, ys_i))
+    assert all(torch.equal(grads[n], grads_i[n]) for n in grads), [n for n in grads if not torch.equal(grads[n], grads_i[n])]

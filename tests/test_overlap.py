@@ -103,3 +103,7 @@ def test_overlap_model_timelines_add_up():
 @pytest.mark.parametrize("world, ep_size", [(2, 2), (4, 2)])
 def test_overlap_modes_under_fsdp2_equal_none(world, ep_size):
     run_ranks(overlap_workers.check_overlap_modes_equal_none_under_fsdp2, world, ep_size)
+
+
+def test_overlap_interleaved_compiled_model_equals_one_after_the_other():
+    run_ranks(overlap_workers.check_interleaved_compiled_equals_one_after_the_other, 2)
