@@ -43,6 +43,7 @@ VERSION = 1
 _keys = itertools.count()
 # The gates that place slots without a top-k and so may send a token to one expert twice: ZeroGate (every
 # slot to expert 0), RoundRobinGate (fewer experts than top_k), SwipeGate (a moved slot lands on a fixed expert).
+# A gate outside fmoe's core says so by `repeats_experts = True` (the seam's: a family's hash routing).
 REPEATING_GATES = (ZeroGate, RoundRobinGate, SwipeGate)
 
 
@@ -328,7 +329,12 @@ def replay_routing(model: nn.Module, trace: RoutingTrace):
     every layer of the model (it may hold more: other pipeline stages'), with ids in [-1, experts),
     `top_k` columns and no token naming one expert in two slots (which only the gates of
     `REPEATING_GATES` do); a forward whose token count differs from its entry's, or past the last entry,
-    fails naming the layer."""
+    fails naming the layer.
+
+    A layer converted at the experts seam (`fmoe.integrations.hf.convert(model, seam=True)`) is routed by
+    its family's router, which fmoe does not own: there the router's own top-k over its [tokens,
+    experts] scores returns the recorded experts, and the router weighs them by its own code
+    (`fmoe.integrations.hf.seam.ReplayedTopK` says how, and what a router without such a top-k does)."""
     if not isinstance(trace, RoutingTrace):
         raise ValueError(f"replay_routing: trace must be a fmoe.RoutingTrace, got {type(trace).__name__}")
     layers = moe_layers(model)
@@ -372,7 +378,8 @@ def check_entry(name: str, i: int, entry: torch.Tensor, gate: BaseGate) -> None:
     if entry.numel() and not (-1 <= int(entry.min()) and int(entry.max()) < gate.tot_expert):
         raise ValueError(f"{where}: expert ids must be in [-1, {gate.tot_expert}) (the layer's experts), "
                          f"got ids from {int(entry.min())} to {int(entry.max())}")
-    token = None if isinstance(gate, REPEATING_GATES) else first_repeating_token(entry)
+    repeats = isinstance(gate, REPEATING_GATES) or getattr(gate, "repeats_experts", False)
+    token = None if repeats else first_repeating_token(entry)
     if token is not None:
         raise ValueError(f"{where}: token {token} (counting from 0) names an expert in two slots, "
                          f"{entry[token].tolist()}; its {type(gate).__name__} sends a token to an expert at most "

@@ -188,3 +188,12 @@ def test_seam_init_weights_draws_the_family_experts_anew():
     std = model.config.initializer_range
     for _, layer in seam_layers(model):
         assert abs(float(layer.experts.gate_up_proj.detach().std()) - std) < 0.5 * std
+
+
+def test_family_table_names_each_family_that_does_not_build_with_its_reason():
+    """docs/hf-families.md (tests/hf_family_table.py) says which tiny models build, as this run finds."""
+    from tests.hf_family_table import parse
+    from tests.test_hf_family_table import TABLE
+    rows = parse(TABLE.read_text())
+    for name in NAMES:
+        assert rows[name]["model built"].startswith("no:") == (build_error(name) is not None), name

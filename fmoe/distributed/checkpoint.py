@@ -32,12 +32,15 @@ def _expert_slices(model: nn.Module) -> Dict[str, Tuple[str, list]]:
             continue
         base = f"{prefix}.experts" if prefix else "experts"
         first = layer.moe_rank * layer.num_expert
+        # A parameter of the experts module that every rank holds whole (a seam layer's post-expert
+        # norm, `is_moe_expert` False) is saved as any replicated one.
+        per_expert = [(name, p) for name, p in layer.experts.named_parameters() if getattr(p, "is_moe_expert", True)]
         if isinstance(layer.experts, ModuleListExperts):
-            for name, _ in layer.experts.named_parameters():
+            for name, _ in per_expert:
                 local, rest = name.split(".", 1)
                 slices[f"{base}.{name}"] = ("module", [(f"{base}.{first + int(local)}.{rest}", None)])
         else:
-            for name, _ in layer.experts.named_parameters():
+            for name, _ in per_expert:
                 key = f"{base}.{name}"
                 slices[key] = ("stacked", [(f"{key}@expert{first + j}", j) for j in range(layer.num_expert)])
     return slices

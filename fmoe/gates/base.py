@@ -250,10 +250,14 @@ class BaseGate(ForgetsLastForward, nn.Module):
             return torch.topk(choice_TE, k, dim=-1)
         return slot_values(choice_TE, self.replayed_TK, torch.finfo(choice_TE.dtype).min), self.replayed_TK
 
+    def replayed_experts(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """Under `fmoe.replay_routing`: the recorded experts `[T, K]` of this forward (the tape's next entry)."""
+        return replayed_choice(x_TD.detach(), self.routing_key, self.top_k)
+
     def routing_by_route(self, x_TD: torch.Tensor) -> Routing:
         replaying = self.routing_mode == "replay"
         if replaying:
-            self.replayed_TK = replayed_choice(x_TD.detach(), self.routing_key, self.top_k)
+            self.replayed_TK = self.replayed_experts(x_TD)
         expert_idx_TK, weight_TK, score_TK, logits_TE, aux = self.route(x_TD)
         self.last_logits_TE = logits_TE
         if self.z_loss_coef:

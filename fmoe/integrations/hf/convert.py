@@ -140,7 +140,17 @@ def convert(model: nn.Module, ep_size: int = 1, moe_group: Optional[dist.Process
     if seam is None:
         seam = not any(type(block).__name__ in BY_BLOCK for _, block in blocks) and bool(find_seam_experts(model))
     if seam:
-        return convert_at_seam(model, ep_size, moe_group, **options)
+        convert_at_seam(model, ep_size, moe_group, **options)
+    else:
+        convert_blocks(model, blocks, config, ep_size, moe_group, options)
+    # transformers' own would write fmoe's names (and under EP only this rank's experts), which plain
+    # from_pretrained initialises at random.
+    model.save_pretrained = functools.partial(save_pretrained, model)
+    return model
+
+
+def convert_blocks(model: nn.Module, blocks, config, ep_size: int, moe_group, options: dict):
+    """The full conversion: every block of `blocks` (the table's families) planned, built, then swapped in."""
     if not blocks:
         raise ValueError(f"convert: {type(model).__name__} has no sparse MoE block; upcycle a dense model with "
                          "fmoe.integrations.hf.moefy instead")
@@ -153,6 +163,3 @@ def convert(model: nn.Module, ep_size: int = 1, moe_group: Optional[dist.Process
     for plan, new in zip(plans, new_blocks):
         parent, _, child = plan.name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
-    # transformers' own would write fmoe's names, which plain from_pretrained initialises at random.
-    model.save_pretrained = functools.partial(save_pretrained, model)
-    return model

@@ -1,4 +1,8 @@
-"""`export`: a converted model back in its family's own checkpoint layout, loadable by plain transformers."""
+"""`export`: a converted model back in its family's own checkpoint layout, loadable by plain transformers.
+
+A model converted at the experts seam (`convert(model, seam=True)`) already carries its family's tensor
+names and layout; under expert parallelism each rank holds a slice of every experts tensor, which
+`hf_state_dict` gathers from the EP group before `save_pretrained` or `export` writes."""
 import os
 import shutil
 import tempfile
@@ -12,11 +16,12 @@ from torch import nn
 from fmoe.app.files import UMASK, fsync_dir
 from fmoe.integrations.hf.block import HFMoEBlock, converted_blocks
 from fmoe.integrations.hf.families import BY_NAME, ExpertWeights
+from fmoe.integrations.hf.seam import EXPERT_TENSORS, SeamMoE
+from fmoe.layer import FMoE
 
 
-def _all_experts(tensor_e, block: HFMoEBlock):
-    """This rank's experts' tensor gathered along the expert dimension from the block's EP group."""
-    moe = block.moe
+def _all_experts(tensor_e, moe: FMoE):
+    """This rank's experts' tensor gathered along the expert dimension from the layer's EP group."""
     if tensor_e is None or moe.world_size == 1:
         return tensor_e
     parts = [torch.empty_like(tensor_e) for _ in range(moe.world_size)]
@@ -33,7 +38,7 @@ def block_state(block: HFMoEBlock, pick=lambda t: t) -> dict:
     def picked(t):
         return None if t is None else pick(t)
 
-    weights = ExpertWeights(*(_all_experts(picked(t), block) for t in (experts.w1_eDF, experts.w2_eFD,
+    weights = ExpertWeights(*(_all_experts(picked(t), moe) for t in (experts.w1_eDF, experts.w2_eFD,
                                                                          experts.b1_eF, experts.b2_eD)))
     state = family.write(weights)
     gate_state = moe.gate.state_dict(keep_vars=True)
@@ -47,11 +52,13 @@ def block_state(block: HFMoEBlock, pick=lambda t: t) -> dict:
 
 
 def hf_state_dict(model: nn.Module, drop_selection_bias: bool = False) -> dict:
-    """The model's state dict with every converted block in its family's layout (a collective under EP).
-    A learned selection bias the family's layout has no slot for is refused, unless `drop_selection_bias`."""
+    """The model's state dict with every converted block in its family's layout and every experts tensor
+    of a seam layer gathered from its EP group (a collective under EP). A learned selection bias the
+    family's layout has no slot for is refused, unless `drop_selection_bias`."""
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, HFMoEBlock)}
-    if not blocks:
-        raise ValueError(f"export: {type(model).__name__} holds no converted block (convert it with "
+    seams = {name: m for name, m in model.named_modules() if isinstance(m, SeamMoE)}
+    if not blocks and not seams:
+        raise ValueError(f"export: {type(model).__name__} holds no converted block or seam layer (convert it with "
                          "fmoe.integrations.hf.convert)")
     if not drop_selection_bias:
         for name, block in blocks.items():
@@ -60,6 +67,10 @@ def hf_state_dict(model: nn.Module, drop_selection_bias: bool = False) -> dict:
              if not any(key.startswith(name + ".") for name in blocks)}
     for name, block in blocks.items():
         state.update({f"{name}.{key}": t for key, t in block_state(block).items()})
+    for name, layer in seams.items():
+        for tensor in EXPERT_TENSORS:
+            if tensor in layer.experts._parameters:
+                state[f"{name}.{tensor}"] = _all_experts(state[f"{name}.{tensor}"], layer)
     return state
 
 
@@ -87,6 +98,14 @@ def save_pretrained(model: nn.Module, save_directory, *args, state_dict=None, dr
         raise ValueError("save_pretrained: state_dict holds fmoe's layer names, which plain transformers would "
                          "load with the routers and experts initialised at random; call save_pretrained without "
                          "state_dict (it writes the family's layout), or fmoe.integrations.hf.export(model, path)")
+    for name, layer in (model.named_modules() if state_dict is not None else ()):
+        if not isinstance(layer, SeamMoE) or layer.world_size == 1:
+            continue
+        for key in (f"{name}.{t}" for t in EXPERT_TENSORS if f"{name}.{t}" in state_dict):
+            if state_dict[key].shape[0] != layer.gate.tot_expert:
+                raise ValueError(f"save_pretrained: state_dict's {key} holds {state_dict[key].shape[0]} of its "
+                                 f"{layer.gate.tot_expert} experts (one rank's, at ep_size={layer.world_size}); call "
+                                 "save_pretrained without state_dict on every rank (it gathers them)")
     if dist.is_available() and dist.is_initialized():
         kwargs.setdefault("is_main_process", dist.get_rank() == 0)
     return type(model).save_pretrained(model, save_directory, *args,
@@ -96,12 +115,13 @@ def save_pretrained(model: nn.Module, save_directory, *args, state_dict=None, dr
 
 
 def export(model: nn.Module, path, drop_selection_bias: bool = False) -> Path:
-    """Write `model` (converted with fmoe.integrations.hf.convert) to the folder `path` as its original family's
-    checkpoint: config.json and model.safetensors, which `AutoModelForCausalLM.from_pretrained(path)`
-    loads with no fmoe installed. Under expert parallelism every rank must call it (the experts
-    are gathered); global rank 0 writes. A learned selection bias the family's layout cannot hold is
-    refused unless `drop_selection_bias=True`. The files are written into a staging folder beside `path`,
-    fsynced, then renamed into it: each file in `path` is whole, the old one or the new. Returns the path."""
+    """Write `model` (converted with fmoe.integrations.hf.convert, at the seam or whole blocks) to the folder
+    `path` as its original family's checkpoint: config.json and model.safetensors, which
+    `AutoModelForCausalLM.from_pretrained(path)` loads with no fmoe installed. Under expert parallelism
+    every rank must call it (the experts are gathered); global rank 0 writes. A learned selection bias the
+    family's layout cannot hold is refused unless `drop_selection_bias=True`. The files are written into a
+    staging folder beside `path`, fsynced, then renamed into it: each file in `path` is whole, the old one or
+    the new. Returns the path."""
     path = Path(path)
     state = hf_state_dict(model, drop_selection_bias)
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:

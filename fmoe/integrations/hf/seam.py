@@ -10,7 +10,9 @@ interface (`@use_experts_implementation`). Converting there keeps the family's o
 - `SeamGate` hands the family's choice to the layer as its routing (slots of experts outside
   [0, E), transformers' own expert-parallel sentinels, reach no expert and count as unrouted), so
   fmoe's dispatchers, exchanges, routing statistics, dropped-slot counts (a `capacity` may be
-  given) and recording (`fmoe.record_routing`) apply as to any fmoe layer;
+  given) and router replay (`fmoe.record_routing` / `fmoe.replay_routing`: under replay the family's
+  router's own top-k returns the recorded experts and the router weighs them, see
+  `fmoe.integrations.hf.seam_replay`) apply as to any fmoe layer;
 - `SeamExperts` is the family's experts class itself (a subclass made per class, as transformers'
   initialisation and tensor plans recognise it), holding this rank's slice of the expert tensors under
   the family's own names and layout, read from what transformers declares on the module:
@@ -33,6 +35,7 @@ from fmoe.experts import GLU, GroupedExperts
 from fmoe.gates.base import BaseGate
 from fmoe.integrations.hf.discovery import uses_experts_interface
 from fmoe.integrations.hf.experts_impl import fused_spec
+from fmoe.integrations.hf.seam_replay import begin_replay, end_replay
 from fmoe.layer import FMoE
 
 # The expert tensors of transformers' experts interface, each [E, ...].
@@ -50,10 +53,20 @@ class SeamGate(BaseGate):
     through the weights. With a `capacity`, fmoe drops each expert's lowest-weight slots over it."""
 
     unroute_before_capacity = True      # the slots that name no expert are counted apart from capacity drops
+    repeats_experts = True              # the family's router may name an expert in two slots (hash routing)
 
     def __init__(self, d_model: int, num_expert: int, world_size: int = 1, top_k: int = 1, capacity=None):
         super().__init__(d_model, num_expert, world_size, top_k, capacity)
         self.handed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.replay = None                  # a ReplayedTopK while the family's block runs under replay
+        self.layer_name = "a seam layer"    # for messages; SeamMoE.attach_to_block names it
+
+    def replayed_experts(self, x_TD):
+        """Under replay: the experts the block's hook took from the tape (see `ReplayedTopK`)."""
+        if self.replay is None:
+            raise RuntimeError(f"replay_routing: {self.layer_name} was called outside its family's block, whose "
+                               "hook takes the replayed experts; call the model (or the block), not the layer")
+        return self.replay.recorded()
 
     def hand(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
@@ -67,11 +80,10 @@ class SeamGate(BaseGate):
             raise RuntimeError(f"{type(self).__name__} routes only what the family's router hands it: call the "
                                "SeamMoE layer as transformers' experts, "
                                "layer(hidden_states, top_k_index, top_k_weights)")
-        if self.replayed_TK is not None:
-            raise NotImplementedError("fmoe.replay_routing does not yet reach a seam-converted layer: the family's "
-                                      "router chooses outside fmoe's gate; record with fmoe.record_routing only")
         top_k_index, weight_TK = self.handed
         self.handed = None
+        if self.replayed_TK is not None:
+            self.replay.check_handed(top_k_index)
         if top_k_index.shape[0] != x_TD.shape[0]:
             raise ValueError(f"{type(self).__name__}: top_k_index has {top_k_index.shape[0]} tokens, hidden_states "
                              f"{x_TD.shape[0]}")
@@ -245,6 +257,21 @@ class SeamMoE(FMoE):
         self.gate.hand(top_k_index, top_k_weights)
         return super().forward(hidden_states)
 
+    def attach_to_block(self, block: nn.Module, name: str):
+        """Hooks on the family's block (the module whose forward calls the router, then this layer): under
+        `fmoe.replay_routing` the block takes this forward's recorded experts and runs under `ReplayedTopK`."""
+        self.gate.layer_name = f"layer {name!r}"
+        self.router_name = f"{type(block).__name__}'s router"
+        block.register_forward_pre_hook(self._replay_begins, with_kwargs=True)
+        block.register_forward_hook(self._replay_ends, always_call=True)
+
+    def _replay_begins(self, block, args, kwargs):
+        if self.gate.routing_mode == "replay":
+            begin_replay(self.gate, block, self.router_name, args, kwargs)
+
+    def _replay_ends(self, block, args, output):
+        end_replay(self.gate)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         for name in self.experts._parameters:
             if prefix + name in state_dict:
@@ -320,7 +347,9 @@ def convert_at_seam(model: nn.Module, ep_size: int = 1, moe_group=None, **option
         new_layers.append(layer)
     for (name, _, _), layer in zip(plans, new_layers):
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, layer)
+        block = model.get_submodule(parent)
+        setattr(block, child, layer)
+        layer.attach_to_block(block, name)
     return model
 
 
