@@ -27,9 +27,9 @@ from fmoe.fastmoe.state import rename_router, stack_experts
 from fmoe.gates import BaseGate, NaiveGate, make_gate
 from fmoe.gates.base import Routing, accepts_keyword, routing_from_fastmoe_gate
 from fmoe.last_forward import ForgetsLastForward
-from fmoe.layer_checks import (check_activation, check_fits, check_mask, check_sync_free, check_world,
-                               is_plain_module_gate, positive_int, resolve_num_expert, resolve_slice_group,
-                               router_tensors)
+from fmoe.layer_checks import (check_activation, check_fits, check_fp8_experts, check_mask, check_sync_free,
+                               check_world, is_plain_module_gate, positive_int, resolve_num_expert,
+                               resolve_slice_group, router_tensors)
 from fmoe.routing import RoutingPlan, check_exchange
 from fmoe.shared_experts import SharedTerm, make_shared_experts
 from fmoe.observe.stats import RoutingTally
@@ -65,9 +65,14 @@ class FMoE(ForgetsLastForward, nn.Module):
     `shared_expert_gate=True` their summed output is scaled by sigmoid(x @ w) per token
     (Qwen2-MoE's `shared_expert_gate`, a [1, d_model] linear).
 
+    `fp8` ("blockwise", "rowwise", "mxfp8"; None: off) runs the stacked experts' GEMMs with FP8
+    operands (`GroupedExperts`, docs/fp8.md); the master weights keep their dtype.
+
     `overlap` hides communication behind compute across ranks: "shared" runs the shared experts
-    while the dispatch travels (and their backward while the rows' gradients travel back), "none"
-    waits for every exchange in line, "auto" (the default) is "shared" across ranks; every mode
+    while the dispatch travels (and their backward while the rows' gradients travel back),
+    "pipeline" also splits the slot exchange into chunks of experts pipelined with their GEMMs
+    (`fmoe.distributed.pipeline`), "none" waits for every exchange in line, "auto" (the default) is
+    "pipeline" for the slot exchange with two or more experts a rank, else "shared"; every mode
     gives bit-identical outputs and gradients (`fmoe.dispatch`).
 
     Routing runs in fp32; for an fp16 / bf16 input the combine weights are rounded to the input's
@@ -83,9 +88,11 @@ class FMoE(ForgetsLastForward, nn.Module):
                  gate_bias=True, d_hidden=None, activation="gelu", expert_bias=True, gate_kwargs=None,
                  backend: Optional[str] = None, shadow=None, schedule=None, schedule_group_size=None,
                  shared_expert=None, shared_expert_gate=False, fp32_combine=False, recompute="activation",
-                 exchange="slot", ranks_per_node=None, sync_free=False, max_tokens_per_rank=None, overlap="auto"):
+                 exchange="slot", ranks_per_node=None, sync_free=False, max_tokens_per_rank=None, overlap="auto",
+                 fp8=None):
         super().__init__()
         self.recompute = check_recompute(recompute)
+        check_fp8_experts(fp8, expert, d_hidden, sync_free)
         positive_int("d_model", d_model)
         if not isinstance(fp32_combine, bool):
             raise ValueError(f"fp32_combine must be a bool, got {fp32_combine!r}")
@@ -129,7 +136,7 @@ class FMoE(ForgetsLastForward, nn.Module):
             self.experts = ModuleListExperts(expert, num_expert, d_model)
         elif d_hidden is not None:
             self.experts = GroupedExperts(num_expert, d_model, d_hidden, activation, bias=expert_bias, backend=backend,
-                                          recompute=recompute)
+                                          recompute=recompute, fp8=fp8)
             check_activation(self.experts.activation, self.experts.w1_eDF.shape[-1], d_hidden)
         else:
             self.experts = None     # FastMoE's fused pattern: the subclass assigns self.experts

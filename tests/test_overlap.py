@@ -100,6 +100,19 @@ def test_overlap_model_timelines_add_up():
         predict(parts, 0.1, "chunks")
 
 
+def test_overlap_simulator_predicts_each_measured_mode_within_15_percent():
+    """The committed bench_overlap run: each mode's step predicted from that run's own measured parts."""
+    from pathlib import Path
+
+    from fmoe.perf.overlap_model import compare_with_bench
+    bench = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/overlap-cpu.json").read_text())
+    rows = compare_with_bench(bench)
+    assert {r["mode"] for r in rows} >= {"none", "shared", "pipeline", "auto", "two micro-batches"}
+    assert {r["world"] for r in rows} == {2, 4}
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    assert abs(worst["error"]) <= 0.15, worst
+
+
 @pytest.mark.parametrize("world, ep_size", [(2, 2), (4, 2)])
 def test_overlap_modes_under_fsdp2_equal_none(world, ep_size):
     run_ranks(overlap_workers.check_overlap_modes_equal_none_under_fsdp2, world, ep_size)
