@@ -7,9 +7,11 @@ from typing import Callable, Dict, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fmoe import kernels
 from fmoe.kernels import torch_ops
+from fmoe.kernels.fp8 import check_fp8
 from fmoe.layer_checks import check_fits
 
 ACTIVATIONS = ("gelu", "relu", "swiglu")
@@ -203,13 +205,18 @@ class GroupedExperts(nn.Module):
     For a gated activation ("swiglu" or a GatedActivation), `w1_eDF` holds the gate and the up
     projection side by side ([e, D, 2F]: gate first, or interleaved as the activation says), so
     both run in one grouped GEMM.
+
+    `fp8` ("blockwise", "rowwise" or "mxfp8"; None, the default, is off) runs both GEMMs, forward
+    and backward, with FP8 operands (`fmoe.kernels.fp8_grouped_mm`); the weights stay in their dtype,
+    the biases and the activation run in the input's. The lean fused path is not taken then.
     """
 
     def __init__(self, num_expert: int, d_model: int, d_hidden: int, activation="gelu", bias: bool = True,
-                 backend=None, recompute: str = "activation"):
+                 backend=None, recompute: str = "activation", fp8: Optional[str] = None):
         super().__init__()
         self.backend = backend
         self.recompute = check_recompute(recompute)
+        self.fp8 = check_fp8(fp8)
         for name, value in (("num_expert", num_expert), ("d_model", d_model), ("d_hidden", d_hidden)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -254,9 +261,10 @@ class GroupedExperts(nn.Module):
 
     @property
     def lean(self) -> bool:
-        """Whether `weighted` runs the lean MLP: recompute is not "none" and the activation has a
-        spec the kernels know (an arbitrary callable keeps what autograd keeps for it)."""
-        return self.recompute != "none" and torch_ops.fused_activation_ok(fused_activation_spec(self.activation))
+        """Whether `weighted` runs the lean MLP: recompute is not "none", the activation has a
+        spec the kernels know (an arbitrary callable keeps what autograd keeps for it), no fp8."""
+        return (self.recompute != "none" and self.fp8 is None
+                and torch_ops.fused_activation_ok(fused_activation_spec(self.activation)))
 
     def weighted(self, x_XD, counts_e, weight_N=None, rows_N=None, row_of_slot_TK=None):
         """weight_N[r] * expert_e(x[rows_N[r]]) for expert e's rows r, through the lean MLP
@@ -274,11 +282,26 @@ class GroupedExperts(nn.Module):
 
     def run(self, x_ND, counts_e, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
         """The experts' MLP with the given stacked weights (shadowing passes pulled ones)."""
+        if self.fp8 is not None:
+            return self.run_fp8(x_ND, counts_e, w1_eDF, w2_eFD, b1_eF, b2_eD)
         spec = fused_activation_spec(self.activation)
         if kernels.fused_expert_mlp_applies(x_ND, spec, self.backend):
             return kernels.fused_expert_mlp(x_ND, counts_e, spec, w1_eDF, w2_eFD, b1_eF, b2_eD)
         h_NF = kernels.grouped_mm(x_ND, w1_eDF, counts_e, b1_eF, self.backend)
         return kernels.grouped_mm(self.act(h_NF), w2_eFD, counts_e, b2_eD, self.backend)
+
+    def run_fp8(self, x_ND, counts_e, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
+        """The MLP as two FP8 grouped GEMMs keeping what `recompute` says: x and the pre-activation
+        ("activation": the activation is recomputed inside the second GEMM's backward), x alone
+        ("experts": the whole MLP is recomputed, both GEMMs), or what autograd keeps ("none")."""
+        def mlp(x):
+            h = kernels.fp8_grouped_mm(x, w1_eDF, counts_e, self.fp8, b1_eF)
+            if self.recompute == "none":
+                return kernels.fp8_grouped_mm(self.act(h), w2_eFD, counts_e, self.fp8, b2_eD)
+            return kernels.fp8_grouped_mm(h, w2_eFD, counts_e, self.fp8, b2_eD, activation=self.act)
+        if self.recompute == "experts" and torch.is_grad_enabled():
+            return checkpoint(mlp, x_ND, use_reentrant=False)
+        return mlp(x_ND)
 
     def expert_forward(self, e: int, x_TD):
         """Expert `e` alone on a batch of tokens: the per-token reference uses this."""
@@ -291,7 +314,8 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self):
         act = self.activation if isinstance(self.activation, str) else repr(self.activation)
-        return f"num_expert={self.num_expert}, d_model={self.d_model}, d_hidden={self.d_hidden}, activation={act}"
+        fp8 = "" if self.fp8 is None else f", fp8={self.fp8}"
+        return f"num_expert={self.num_expert}, d_model={self.d_model}, d_hidden={self.d_hidden}, activation={act}{fp8}"
 
 
 def takes_expert_count(module: nn.Module) -> bool:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fmoe.gates import GATES, BaseGate
+from fmoe.kernels.fp8 import check_fp8
 
 # Tensors to be made, as (part, shape, count): `count` tensors of `shape`, summed under `part` in messages.
 Tensors = List[Tuple[str, Tuple[int, ...], int]]
@@ -61,6 +62,18 @@ def floating_parameters(module: nn.Module):
     for child in module._modules.values():
         if child is not None:
             yield from floating_parameters(child)
+
+
+def check_fp8_experts(fp8, expert, d_hidden, sync_free):
+    """fp8= names a recipe and goes with stacked experts (d_hidden, no expert=) and no sync_free."""
+    if check_fp8(fp8) is None:
+        return
+    if expert is not None or d_hidden is None:
+        raise ValueError(f"fp8={fp8!r} needs the stacked experts (d_hidden=..., no expert=): user expert modules "
+                         "run their own GEMMs")
+    if sync_free:
+        raise ValueError(f"fp8={fp8!r} does not run with sync_free=True: the FP8 emulation reads each expert's "
+                         "row count on the host")
 
 
 def check_sync_free(sync_free, max_tokens_per_rank, exchange: str, shadow_policy, schedule: bool = False):

@@ -145,3 +145,17 @@ def run_ranks(fn, world_size: int, *args):
     """fn(rank, world_size, *args) on `world_size` processes; an exception on any rank fails the call."""
     with tempfile.TemporaryDirectory(prefix="fmoe-rendezvous-") as folder:
         mp.spawn(_entry, args=(world_size, os.path.join(folder, "store"), fn, args), nprocs=world_size, join=True)
+
+
+def assert_expert_parallel_grads(ep, full, rank: int, per_rank: int, what: str, atol: float, rtol: float):
+    """An expert-parallel layer's gradients equal the one-process layer's: its experts' to the rows of
+    `full`'s that this rank holds (`per_rank` experts a rank), its gate's summed over the ranks."""
+    import torch
+    import torch.distributed as dist
+    for name, p in ep.experts.named_parameters():
+        ref = getattr(full.experts, name).grad[rank * per_rank:(rank + 1) * per_rank]
+        torch.testing.assert_close(p.grad, ref, atol=atol, rtol=rtol, msg=lambda m: f"{what} {name}: {m}")
+    for (name, p), (_, q) in zip(ep.gate.named_parameters(), full.gate.named_parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"{what} gate {name}: {m}")

@@ -1,8 +1,8 @@
 """Worker bodies for the multi-process router replay tests."""
 import torch
-import torch.distributed as dist
 
 import fmoe
+from tests.dist_utils import assert_expert_parallel_grads
 from tests.dist_workers import D, build_pair
 
 
@@ -44,13 +44,7 @@ def check_exchange(rank, world, exchange):
         assert torch.equal(ep.last_counts_E, torch.bincount(mine[mine >= 0], minlength=2 * world)), ctx
         torch.testing.assert_close(out, out_all[lo:hi], atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} out: {m}")
         torch.testing.assert_close(x.grad, x_full.grad[lo:hi], atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} dx: {m}")
-        for name, p in ep.experts.named_parameters():
-            ref = getattr(full.experts, name).grad[rank * 2:(rank + 1) * 2]
-            torch.testing.assert_close(p.grad, ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} {name}: {m}")
-        for (name, p), (_, q) in zip(ep.gate.named_parameters(), full.gate.named_parameters()):
-            grad = p.grad.clone()
-            dist.all_reduce(grad)
-            torch.testing.assert_close(grad, q.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} gate {name}: {m}")
+        assert_expert_parallel_grads(ep, full, rank, 2, ctx, atol=1e-5, rtol=1e-5)
 
 
 def check_megatron_stage_names():

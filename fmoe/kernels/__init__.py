@@ -24,7 +24,7 @@ import torch
 
 from fmoe.autocast import autocast_dtype
 from fmoe.env import env_choice
-from fmoe.kernels import checks, ops, torch_ops
+from fmoe.kernels import checks, fp8, ops, torch_ops
 from fmoe.routing import RoutingPlan
 
 BACKENDS = ("torch", "triton")
@@ -203,6 +203,27 @@ def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
     impl = impl_for(x_NI, backend)
     checks.check_weights("x_NI", x_NI, w_eIO, counts_e, bias_eO, _family(impl))
     return ops.grouped_mm(x_NI, w_eIO, counts_e, bias_eO, impl)
+
+
+@like_linear_under_autocast
+def fp8_grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor, recipe: str,
+                   bias_eO: Optional[torch.Tensor] = None, activation=None) -> torch.Tensor:
+    """grouped_mm with FP8 operands: y = q(a_seg) @ q(w_eIO[e]) + bias_eO[e], a = x or `activation(x)`,
+    accumulated in fp32, in x's dtype (under torch.autocast, its dtype, as grouped_mm).
+
+    `recipe` is "blockwise", "rowwise" or "mxfp8" (`fmoe.kernels.fp8`: how each GEMM of the forward
+    and backward quantises its operands). Emulated on every device for now (dequantise, fp32 GEMMs
+    expert by expert, the counts read on the host); the Triton FP8 kernels are pending (#49).
+    """
+    checks.check_float("x_NI", x_NI, 2, "torch")
+    if activation is None:
+        checks.check_weights("x_NI", x_NI, w_eIO, counts_e, bias_eO, "torch")
+    else:       # the activation may change the width (a gated one halves it): checked once it has run
+        checks.check_float("w_eIO", w_eIO, 3, "torch")
+        if w_eIO.dtype != x_NI.dtype:
+            raise TypeError(f"w_eIO must have x_NI's dtype {x_NI.dtype}, got {w_eIO.dtype}")
+        checks.check_index("counts_e", counts_e, (w_eIO.shape[0],), x_NI.device)
+    return fp8.fp8_grouped_mm(x_NI, w_eIO, counts_e, recipe, bias_eO, activation)
 
 
 @like_linear_under_autocast

@@ -1,0 +1,248 @@
+"""FP8 recipes for the experts' grouped GEMMs, emulated with torch's float8 dtypes (#49).
+
+A recipe says how each GEMM operand is cut into blocks, each block getting one scale, and what the
+scales are. Data is e4m3 (`torch.float8_e4m3fn`, largest finite 448); a block's values are divided
+by its scale, clamped to +-448 and rounded to e4m3. Every operand is quantised along the dimension
+its GEMM reduces over, so that a scale is constant along each product's sum and an FP8 tensor core
+can apply it to the fp32 partial sums:
+
+| recipe      | activation tiles          | weight blocks (w_IO)          | scales                         |
+|-------------|---------------------------|-------------------------------|--------------------------------|
+| `blockwise` | 1 x 128 along the sum     | 128 x 128                     | fp32, amax / 448 (DeepSeek-V3) |
+| `rowwise`   | one per row of the sum    | one per output column         | fp32, amax / 448 (torchao)     |
+| `mxfp8`     | 1 x 32 along the sum      | 32 x 1 along the sum          | e8m0: 2^ceil(log2(amax / 448)) |
+
+The three GEMMs of y = x @ w (x [N, I], w [I, O]) and where each operand's blocks run:
+
+- forward  y[N, O]  = q(x) @ q(w):      x in tiles along I (per row); w along I (its rows).
+- dgrad    dx[N, I] = q(dy) @ q(w^T):   dy in tiles along O (per row); w^T along O, i.e. w along its
+  columns. Blockwise 128 x 128 blocks are the same blocks either way, so DeepSeek-V3 keeps one
+  quantised weight for both; rowwise and mxfp8 quantise w again along the other dimension.
+- wgrad    dw[I, O] = q(x^T) @ q(dy):   both along N, the tokens, within each expert's segment
+  (tiles of 128 rows for blockwise, all of the segment's rows for rowwise, 32 rows for mxfp8),
+  so a tile never spans two experts.
+
+A dimension that is not a multiple of the block ends in a partial block: it is padded with zeros
+for the computation, which leaves its amax, and so its scale, that of its real elements. MXFP8's
+scales are powers of two stored as `torch.float8_e8m0fnu` where this torch has it, else as fp32
+powers of two (the same values). The scale is rounded up (no value saturates), as NVIDIA's
+cuBLAS MXFP8 recipe does, where the OCP MX specification's default rounds down and clamps.
+
+The emulation dequantises both operands to fp32 and multiplies in fp32 expert by expert, which is
+what an FP8 tensor core computes up to the order of the fp32 sums. The master weights keep their
+dtype (the optimiser never sees FP8) and nothing quantised is kept between steps: each GEMM
+quantises its operands from the tensors autograd saved (x, or the pre-activation).
+"""
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+RECIPES = ("blockwise", "rowwise", "mxfp8")
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)            # 448
+E8M0 = getattr(torch, "float8_e8m0fnu", None)      # MXFP8's scale dtype; None: fp32 powers of two instead
+# Blocks along the reduction dimension: (activation tile, weight block) per recipe; None is the whole dimension.
+ACTIVATION_TILE = {"blockwise": 128, "rowwise": None, "mxfp8": 32}
+WEIGHT_BLOCK = {"blockwise": (128, 128), "rowwise": (None, 1), "mxfp8": (32, 1)}
+
+
+def check_fp8(fp8: Optional[str]) -> Optional[str]:
+    """`fp8` if it names a recipe (or is None), else a one-line error naming the argument and the choices."""
+    if fp8 is not None and fp8 not in RECIPES:
+        raise ValueError(f"fp8 must be None or one of {RECIPES}, got {fp8!r}")
+    return fp8
+
+
+class Quantised(NamedTuple):
+    """A tensor [..., R, C] in e4m3 blocks of `block` = (rows, cols): `data` (e4m3, [..., R, C]) and
+    `scale` ([..., ceil(R / rows), ceil(C / cols)], fp32 or e8m0); value = data * scale of its block."""
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: Tuple[int, int]
+
+
+def _padded_blocks(t: torch.Tensor, block: Tuple[int, int]) -> torch.Tensor:
+    """t [..., R, C] zero-padded to whole blocks and viewed as [..., R/br, br, C/bc, bc]."""
+    br, bc = block
+    rows, cols = t.shape[-2:]
+    pad_r, pad_c = -rows % br, -cols % bc
+    if pad_r or pad_c:
+        t = F.pad(t, (0, pad_c, 0, pad_r))
+    return t.reshape(*t.shape[:-2], (rows + pad_r) // br, br, (cols + pad_c) // bc, bc)
+
+
+def _whole(block: Tuple[Optional[int], Optional[int]], shape: Sequence[int]) -> Tuple[int, int]:
+    """A block with None (the whole dimension) made concrete for a tensor of `shape` [..., R, C]."""
+    return tuple(max(1, shape[-2 + i]) if b is None else b for i, b in enumerate(block))
+
+
+def power_of_two_scale(ratio: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= ratio (> 0), within e8m0's range 2^-127 .. 2^127, in fp32 (exact)."""
+    mantissa, exponent = torch.frexp(ratio)         # ratio = mantissa * 2^exponent, mantissa in [0.5, 1)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent).clamp(-127, 127)
+    return torch.ldexp(torch.ones_like(ratio), exponent)
+
+
+def quantise(t: torch.Tensor, block: Tuple[Optional[int], Optional[int]], pow2_scales: bool = False) -> Quantised:
+    """t [..., R, C] (any float dtype) in e4m3 blocks of `block` (None: the whole dimension).
+
+    Each block's scale maps its largest magnitude (amax, over its real elements) to 448: amax / 448
+    in fp32, or with `pow2_scales` the power of two at or above it (MXFP8's e8m0). An all-zero block
+    gets scale 1. Values are divided by the scale, clamped to +-448 and rounded to nearest e4m3.
+    """
+    block = _whole(block, t.shape)
+    blocks = _padded_blocks(t.float(), block)
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)
+    ratio = amax / E4M3_MAX
+    scale = power_of_two_scale(ratio) if pow2_scales else ratio
+    scale = torch.where(ratio > 0, scale, torch.ones_like(scale))
+    data = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    rows, cols = t.shape[-2:]
+    data = data.reshape(*data.shape[:-4], data.shape[-4] * block[0], data.shape[-2] * block[1])[..., :rows, :cols]
+    scale = scale.squeeze(-1).squeeze(-2)
+    if pow2_scales and E8M0 is not None:
+        scale = scale.to(E8M0)
+    return Quantised(data, scale, block)
+
+
+def dequantise(q: Quantised) -> torch.Tensor:
+    """The fp32 values q holds: data * the scale of each element's block, shape [..., R, C]."""
+    rows, cols = q.data.shape[-2:]
+    blocks = _padded_blocks(q.data.float(), q.block)
+    values = blocks * q.scale.float()[..., :, None, :, None]
+    return values.reshape(*values.shape[:-4], -1, values.shape[-2] * q.block[1])[..., :rows, :cols]
+
+
+def activation_block(recipe: str, reduce_dim: int) -> Tuple[Optional[int], Optional[int]]:
+    """An activation's tile for a GEMM that reduces over its dimension `reduce_dim` (1: along its
+    rows' elements, as x in the forward; 0: down its columns, as x^T and dy in the weight gradient)."""
+    tile = ACTIVATION_TILE[check_fp8(recipe)]
+    return (1, tile) if reduce_dim == 1 else (tile, 1)
+
+
+def weight_block(recipe: str) -> Tuple[Optional[int], Optional[int]]:
+    """A weight's block as the right operand [K, O] of a GEMM reducing over K (its rows)."""
+    return WEIGHT_BLOCK[check_fp8(recipe)]
+
+
+def quantise_activation(x_NK: torch.Tensor, recipe: str, reduce_dim: int = 1) -> Quantised:
+    """An activation [N, K] quantised along `reduce_dim`: scale [N, ceil(K / tile)] for 1 (blockwise:
+    1 x 128 tiles, rowwise: [N, 1], mxfp8: 1 x 32), [ceil(N / tile), K] for 0."""
+    return quantise(x_NK, activation_block(recipe, reduce_dim), pow2_scales=recipe == "mxfp8")
+
+
+def quantise_weight(w_eKO: torch.Tensor, recipe: str) -> Quantised:
+    """Weights [..., K, O] as the right operand of a GEMM reducing over K: scale [..., ceil(K/128),
+    ceil(O/128)] (blockwise), [..., 1, O] (rowwise: per output column), [..., ceil(K/32), O] (mxfp8)."""
+    return quantise(w_eKO, weight_block(recipe), pow2_scales=recipe == "mxfp8")
+
+
+def _segments(counts: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """(expert, first row, end row) of each non-empty expert segment."""
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            out.append((e, start, start + n))
+        start += n
+    return out
+
+
+def _grouped(a_NK: torch.Tensor, b_eKO: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """fp32 rows a[seg] @ b[e] per expert segment; rows past the segments are 0."""
+    out = a_NK.new_zeros(a_NK.shape[0], b_eKO.shape[-1])
+    for e, lo, hi in _segments(counts):
+        out[lo:hi] = a_NK[lo:hi] @ b_eKO[e]
+    return out
+
+
+def forward_product(a_NI: torch.Tensor, w_eIO: torch.Tensor, counts: Sequence[int], recipe: str) -> torch.Tensor:
+    """fp32 q(a) @ q(w[e]) per segment: a in tiles along I, w along I."""
+    a = dequantise(quantise_activation(a_NI, recipe))
+    return _grouped(a, dequantise(quantise_weight(w_eIO, recipe)), counts)
+
+
+def input_gradient(dy_NO: torch.Tensor, w_eIO: torch.Tensor, counts: Sequence[int], recipe: str) -> torch.Tensor:
+    """fp32 q(dy) @ q(w[e]^T) per segment: dy in tiles along O, w^T along O (w's columns)."""
+    dy = dequantise(quantise_activation(dy_NO, recipe))
+    return _grouped(dy, dequantise(quantise_weight(w_eIO.transpose(-1, -2), recipe)), counts)
+
+
+def weight_gradient(a_NI: torch.Tensor, dy_NO: torch.Tensor, counts: Sequence[int], recipe: str) -> torch.Tensor:
+    """fp32 q(a_seg^T) @ q(dy_seg) per expert, both in tiles along the segment's rows: [e, I, O]."""
+    dw = a_NI.new_zeros(len(counts), a_NI.shape[1], dy_NO.shape[1], dtype=torch.float32)
+    for e, lo, hi in _segments(counts):
+        a_T = dequantise(quantise_activation(a_NI[lo:hi].t(), recipe, reduce_dim=1))
+        dy = dequantise(quantise_activation(dy_NO[lo:hi], recipe, reduce_dim=0))
+        dw[e] = a_T @ dy
+    return dw
+
+
+def _segment_sums(dy_NO: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    db = dy_NO.new_zeros(len(counts), dy_NO.shape[1], dtype=torch.float32)
+    for e, lo, hi in _segments(counts):
+        db[e] = dy_NO[lo:hi].float().sum(0)
+    return db
+
+
+def _bias_rows(bias_eO: torch.Tensor, counts: Sequence[int], rows: int) -> torch.Tensor:
+    """Each row's expert bias in fp32 (zeros past the segments)."""
+    out = bias_eO.new_zeros(rows, bias_eO.shape[1], dtype=torch.float32)
+    for e, lo, hi in _segments(counts):
+        out[lo:hi] = bias_eO[e].float()
+    return out
+
+
+class _Fp8GroupedMM(torch.autograd.Function):
+    """y = q(act(x)) @ q(w[e]) + b[e] per segment, accumulated in fp32, returned in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x_NI, w_eIO, bias_eO, counts, recipe, activation):
+        a_NI = x_NI if activation is None else activation(x_NI)
+        if a_NI.shape[-1] != w_eIO.shape[1]:
+            raise ValueError(f"fp8_grouped_mm: the GEMM's input has width {a_NI.shape[-1]}, w_eIO has "
+                             f"{w_eIO.shape[1]} rows (shape {tuple(w_eIO.shape)})")
+        y = forward_product(a_NI, w_eIO, counts, recipe)
+        if bias_eO is not None:
+            y += _bias_rows(bias_eO, counts, y.shape[0])
+        ctx.save_for_backward(x_NI, w_eIO)
+        ctx.counts, ctx.recipe, ctx.activation = counts, recipe, activation
+        ctx.bias_dtype = None if bias_eO is None else bias_eO.dtype
+        return y.to(x_NI.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_NO):
+        x_NI, w_eIO = ctx.saved_tensors
+        counts, recipe, activation = ctx.counts, ctx.recipe, ctx.activation
+        dx = dw = db = None
+        if activation is None:
+            h, a_NI = None, x_NI
+        else:       # the activation recomputed from the saved pre-activation, as the forward ran it
+            with torch.enable_grad(), torch.autocast(x_NI.device.type, enabled=False):
+                h = x_NI.detach().requires_grad_(True)
+                a_NI = activation(h)
+        if ctx.needs_input_grad[0]:
+            da = input_gradient(dy_NO, w_eIO, counts, recipe).to(a_NI.dtype)
+            dx = da if h is None else torch.autograd.grad(a_NI, h, da)[0]
+        if ctx.needs_input_grad[1]:
+            dw = weight_gradient(a_NI.detach(), dy_NO, counts, recipe).to(w_eIO.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = _segment_sums(dy_NO, counts).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None
+
+
+def fp8_grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor, recipe: str,
+                   bias_eO: Optional[torch.Tensor] = None, activation: Optional[Callable] = None) -> torch.Tensor:
+    """Rows in expert order, `counts_e[e]` of them for expert e: y = q(a_seg) @ q(w_eIO[e]) + bias_eO[e]
+    with a = x, or `activation(x)` (then x, the pre-activation, is what the backward keeps, and the
+    activation is recomputed there). Forward, input gradient and weight gradient each quantise their
+    operands with `recipe` along the dimension they reduce over (module docstring), multiply in fp32
+    and add the bias in fp32; y is in x's dtype, the gradients in their tensors' dtypes. Rows past
+    the segments are 0. The counts are read on the host.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8_grouped_mm: recipe must be one of {RECIPES}, got {recipe!r}")
+    counts = tuple(int(n) for n in counts_e.tolist())
+    if sum(counts) > x_NI.shape[0]:
+        raise ValueError(f"counts_e sums to {sum(counts)} rows, x_NI has {x_NI.shape[0]}")
+    return _Fp8GroupedMM.apply(x_NI, w_eIO, bias_eO, counts, recipe, activation)

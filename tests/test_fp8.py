@@ -1,0 +1,304 @@
+"""FP8 experts (#49): the recipes' quantisation, the emulated FP8 grouped GEMM against a per-block,
+per-expert oracle, and the layer with `fp8=` (errors against fp32, modes, autocast, state dicts,
+expert parallelism). Every test name contains "fp8"."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fmoe
+from fmoe import kernels
+from fmoe.experts import GroupedExperts
+from fmoe.kernels import fp8
+from tests.dist_utils import assert_expert_parallel_grads, run_ranks
+
+E4M3 = torch.float8_e4m3fn
+
+# The oracle's table, written out again: (activation tile along the sum, weight block over [K, O],
+# power-of-two scales); None is the whole dimension.
+ORACLE = {"blockwise": (128, (128, 128), False), "rowwise": (None, (None, 1), False), "mxfp8": (32, (32, 1), True)}
+
+
+def oracle_quantised(t, block, pow2):
+    """t [R, C] through e4m3 block by block (a Python loop): each block's amax over its real elements."""
+    rows, cols = t.shape
+    br, bc = rows if block[0] is None else block[0], cols if block[1] is None else block[1]
+    out = torch.empty(rows, cols)
+    for i in range(0, rows, br):
+        for j in range(0, cols, bc):
+            blk = t[i:i + br, j:j + bc].float()
+            ratio = (blk.abs().max() / 448.0).item()
+            scale = 1.0 if ratio == 0 else (2.0 ** math.ceil(math.log2(ratio)) if pow2 else ratio)
+            scale = torch.tensor(scale, dtype=torch.float32)
+            out[i:i + br, j:j + bc] = (blk / scale).clamp(-448, 448).to(E4M3).float() * scale
+    return out
+
+
+def oracle_grouped_mm(x, w, b, counts, recipe, act=None):
+    """Forward and gradients of y = q(act(x)) @ q(w[e]) + b[e] expert by expert, with the product's
+    gradient dy = probe: (y, dx, dw, db), every operand quantised along its own sum."""
+    tile, wblock, pow2 = ORACLE[recipe]
+    a = x if act is None else act(x)
+    y = torch.zeros(x.shape[0], w.shape[2])
+    da = torch.zeros(a.shape)
+    dw, db = torch.zeros(w.shape), torch.zeros(b.shape)
+    probe = probe_for(x.shape[0], w.shape[2])
+    start = 0
+    for e, n in enumerate(counts):
+        seg = slice(start, start + n)
+        start += n
+        if n == 0:
+            continue
+        y[seg] = oracle_quantised(a[seg], (1, tile), pow2) @ oracle_quantised(w[e], wblock, pow2) + b[e]
+        da[seg] = oracle_quantised(probe[seg], (1, tile), pow2) @ oracle_quantised(w[e].t(), wblock, pow2)
+        dw[e] = oracle_quantised(a[seg].t(), (1, tile), pow2) @ oracle_quantised(probe[seg], (tile, 1), pow2)
+        db[e] = probe[seg].sum(0)
+    if act is None:
+        dx = da
+    else:
+        h = x.detach().requires_grad_(True)
+        dx = torch.autograd.grad(act(h), h, da)[0]
+    return y, dx, dw, db
+
+
+def wide_range(shape, seed):
+    """Normal numbers times 2^u, u uniform in [-10, 10]: blocks cut in the wrong direction get other
+    scales and, even with power-of-two scales, other values below e4m3's normal range."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * torch.exp2(torch.rand(shape, generator=g) * 20 - 10)
+
+
+def probe_for(rows, cols):
+    return wide_range((rows, cols), 7)
+
+
+def e4m3_values(shape, seed=0):
+    """Random finite e4m3 numbers (as fp32), magnitudes spread over its range."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-6, 8, shape, generator=g).float())
+    return t.clamp(-448, 448).to(E4M3).float()
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("kind", ["activation", "activation_down_columns", "weight"])
+def test_fp8_round_trip_keeps_e4m3_values_and_power_of_two_scales(recipe, kind):
+    """Blocks of e4m3 values whose amax is 448, times a power of two per block, come back exactly:
+    the same e4m3 data and the same scales, partial last blocks included."""
+    shape = (3, 200, 70) if kind == "weight" else (150, 200)
+    quantiser = {"activation": lambda t: fp8.quantise_activation(t, recipe),
+                 "activation_down_columns": lambda t: fp8.quantise_activation(t, recipe, reduce_dim=0),
+                 "weight": lambda t: fp8.quantise_weight(t, recipe)}[kind]
+    block = quantiser(torch.ones(shape)).block
+    data = e4m3_values(shape)
+    data[..., ::block[0], ::block[1]] = 448.0           # every block's first element: its amax
+    scale_shape = (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+    scale = torch.exp2(torch.randint(-20, 20, scale_shape, generator=torch.Generator().manual_seed(1)).float())
+    values = fp8.dequantise(fp8.Quantised(data.to(E4M3), scale, block))
+    q = quantiser(values)
+    assert q.data.dtype == E4M3 and q.data.shape == shape
+    assert torch.equal(q.data.float(), data)
+    assert torch.equal(q.scale.float(), scale)
+    assert torch.equal(fp8.dequantise(q), values)
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_fp8_scales_shapes_and_amax_to_448(recipe):
+    x = torch.randn(5, 200) * torch.logspace(-3, 3, 200)
+    w = torch.randn(3, 200, 70)
+    qx, qw = fp8.quantise_activation(x, recipe), fp8.quantise_weight(w, recipe)
+    qd = fp8.quantise_activation(x, recipe, reduce_dim=0)
+    want = {"blockwise": ((5, 2), (3, 2, 1), (1, 200)), "rowwise": ((5, 1), (3, 1, 70), (1, 200)),
+            "mxfp8": ((5, 7), (3, 7, 70), (1, 200))}[recipe]
+    assert (tuple(qx.scale.shape), tuple(qw.scale.shape), tuple(qd.scale.shape)) == want
+    if recipe == "mxfp8":
+        assert qx.scale.dtype == (fp8.E8M0 or torch.float32)
+        ratio = torch.frexp(qx.scale.float())[0]
+        assert torch.all(ratio == 0.5), "mxfp8 scales are powers of two"
+    else:
+        assert qx.scale.dtype == torch.float32
+    # Each block's largest magnitude lands on 448 (blockwise, rowwise) or in [224, 448] (mxfp8).
+    amax = fp8._padded_blocks(qx.data.float().abs(), qx.block).amax(dim=(-3, -1))
+    if recipe == "mxfp8":
+        assert torch.all((amax >= 224) & (amax <= 448))
+    else:
+        assert torch.all(amax == 448)
+    # A partial last block's scale is its real elements' amax / 448.
+    if recipe == "blockwise":
+        torch.testing.assert_close(qx.scale[:, 1], x[:, 128:].abs().amax(1) / 448, rtol=0, atol=0)
+
+
+def test_fp8_zero_block_and_check():
+    q = fp8.quantise_activation(torch.zeros(2, 130), "blockwise")
+    assert torch.equal(q.scale, torch.ones(2, 2)) and not q.data.float().any()
+    with pytest.raises(ValueError, match=r"fp8 must be None or one of \('blockwise', 'rowwise', 'mxfp8'\), got 'e5m2'"):
+        fp8.check_fp8("e5m2")
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("act", [None, F.gelu])
+def test_fp8_grouped_mm_equals_the_per_expert_oracle(recipe, act):
+    """Forward, input gradient and weight gradient (and the bias's) as the oracle computes them:
+    segments of 150, 0 and 70 rows (tiles across 128 rows and partial ones), widths not a multiple
+    of any block, 3 rows of dropped slots at the end."""
+    counts, I, O = [150, 0, 70], 160, 72
+    x = wide_range((sum(counts) + 3, I), 0).requires_grad_(True)
+    w = wide_range((3, I, O), 1).requires_grad_(True)
+    b = torch.randn(3, O, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+    y = kernels.fp8_grouped_mm(x, w, torch.tensor(counts), recipe, b, activation=act)
+    (y * probe_for(*y.shape)).sum().backward()
+    ref_y, ref_dx, ref_dw, ref_db = oracle_grouped_mm(x.detach(), w.detach(), b.detach(), counts, recipe, act)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, ref_y, **tol)
+    assert not y[sum(counts):].any() and not x.grad[sum(counts):].any()
+    torch.testing.assert_close(x.grad, ref_dx, **tol)
+    torch.testing.assert_close(w.grad, ref_dw, **tol)
+    torch.testing.assert_close(b.grad, ref_db, **tol)
+
+
+def test_fp8_grouped_mm_keeps_dtypes():
+    """The output in x's dtype, the gradients in their tensors' (bf16 in, bf16 out)."""
+    x = torch.randn(6, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(2, 16, 8, dtype=torch.bfloat16, requires_grad=True)
+    y = kernels.fp8_grouped_mm(x, w, torch.tensor([2, 4]), "rowwise")
+    y.float().sum().backward()
+    assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        kernels.fp8_grouped_mm(x, w, torch.tensor([2, 4]), "fp8")
+
+
+# The layer with fp8= against the same layer in fp32: relative errors (Frobenius norms) measured at
+# d_model 128, d_hidden 64, 4 experts, 256 tokens, top-2 (docs/fp8.md has the table): outputs 0.047-0.055,
+# gradients 0.037-0.067 for every recipe and both activations; the bounds leave room for other seeds.
+# The router's bias gradient (E = 4 sums over all tokens, with cancellation) measured up to 0.11.
+OUTPUT_BOUND, GRAD_BOUND, ROUTER_BIAS_BOUND = 0.08, 0.10, 0.25
+ROUTER_BIAS = "gate.gate.proj.bias"
+D, H, E, T = 128, 64, 4, 256
+
+
+def layer_run(fp8_recipe, activation="gelu", seed=0, autocast=False, **kwargs):
+    torch.manual_seed(0)
+    layer = fmoe.FMoETransformerMLP(num_expert=E, d_model=D, d_hidden=H, top_k=2, activation=activation,
+                                    fp8=fp8_recipe, **kwargs)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g).requires_grad_(True)
+    probe = torch.randn(T, D, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = layer(x)
+    (y.float() * probe).sum().backward()
+    grads = {"input": x.grad, **{name: p.grad for name, p in layer.named_parameters()}}
+    return layer, y.detach(), grads
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_fp8_layer_errors_against_fp32_within_bounds(recipe, activation):
+    layer, y, grads = layer_run(recipe, activation)
+    _, ref_y, ref_grads = layer_run(None, activation)
+    assert type(layer.experts_call).__name__ == "PlainCall" and layer.experts.fp8 == recipe
+    assert 0 < rel(y, ref_y) < OUTPUT_BOUND
+    for name, grad in grads.items():
+        if name == "experts.b2_eD":     # the sum of the output's gradient: no FP8 operand in it
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6)
+        else:
+            assert 0 < rel(grad, ref_grads[name]) < (ROUTER_BIAS_BOUND if name == ROUTER_BIAS else GRAD_BOUND), name
+        assert grad.dtype == torch.float32, name
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_fp8_recompute_modes_give_the_same_answer(recipe):
+    """What the experts keep changes, nothing else: outputs and gradients bit-identical."""
+    _, y, grads = layer_run(recipe, "swiglu", recompute="activation")
+    for mode in ("experts", "none"):
+        _, y_mode, grads_mode = layer_run(recipe, "swiglu", recompute=mode)
+        assert torch.equal(y_mode, y), mode
+        for name, grad in grads.items():
+            assert torch.equal(grads_mode[name], grad), (mode, name)
+
+
+def test_fp8_recompute_activation_keeps_x_and_the_pre_activation():
+    """recompute="activation": the experts' backward holds x and the pre-activation, no activation."""
+    experts = GroupedExperts(2, 16, 8, "gelu", fp8="blockwise")
+    x = torch.randn(10, 16, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        experts(x, torch.tensor([4, 6]))
+    params = {p.data_ptr() for p in experts.parameters()}
+    kept = [tuple(t.shape) for t in saved if t.data_ptr() not in params]
+    assert kept == [(10, 16), (10, 8)]
+
+
+def test_fp8_refusals_name_the_argument():
+    choices = r"fp8 must be None or one of \('blockwise', 'rowwise', 'mxfp8'\), got 'e4m3'"
+    with pytest.raises(ValueError, match=choices):
+        fmoe.FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=8, fp8="e4m3")
+    with pytest.raises(ValueError, match=choices):
+        GroupedExperts(2, 8, 8, fp8="e4m3")
+    with pytest.raises(ValueError, match="fp8='rowwise' needs the stacked experts"):
+        fmoe.FMoE(num_expert=2, d_model=8, expert=lambda d: torch.nn.Linear(d, d), fp8="rowwise")
+    with pytest.raises(ValueError, match="fp8='mxfp8' does not run with sync_free=True"):
+        fmoe.FMoETransformerMLP(num_expert=2, d_model=8, d_hidden=8, fp8="mxfp8", sync_free=True,
+                                exchange="rank", max_tokens_per_rank=4)
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_fp8_under_bf16_autocast(recipe):
+    """bf16 autocast: the output in bf16, the master weights' gradients fp32, errors as bf16 + FP8
+    against the fp32 layer (measured 0.05-0.07; bounds as above)."""
+    layer, y, grads = layer_run(recipe, autocast=True)
+    _, ref_y, ref_grads = layer_run(None)
+    assert y.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in layer.parameters())
+    assert rel(y, ref_y) < OUTPUT_BOUND
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32, name
+        assert rel(grad, ref_grads[name]) < (ROUTER_BIAS_BOUND if name == ROUTER_BIAS else GRAD_BOUND), name
+
+
+def test_fp8_state_dict_loads_into_a_layer_without_fp8():
+    """No FP8 state is saved: an fp8=None layer loads the state dict strictly and computes in fp32
+    what the fp8 layer's weights compute."""
+    layer, _, _ = layer_run("blockwise")
+    state = layer.state_dict()
+    assert all(t.dtype == torch.float32 for t in state.values())
+    plain = fmoe.FMoETransformerMLP(num_expert=E, d_model=D, d_hidden=H, top_k=2)
+    plain.load_state_dict(state, strict=True)
+    back = fmoe.FMoETransformerMLP(num_expert=E, d_model=D, d_hidden=H, top_k=2, fp8="blockwise")
+    back.load_state_dict(plain.state_dict(), strict=True)
+    x = torch.randn(16, D)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), layer(x), rtol=0, atol=0)
+        assert rel(plain(x), layer(x)) < OUTPUT_BOUND
+
+
+def ep_fp8_worker(rank, world):
+    """fp8 at ep_size 2 equals fp8 on one process holding every expert: output and every gradient."""
+    from tests.dist_workers import D as width, build_pair
+    for recipe in fp8.RECIPES:
+        full, ep = build_pair("naive", 2, 2, world, rank, fp8=recipe, activation="swiglu")
+        g = torch.Generator().manual_seed(5)
+        tokens = 40
+        x_all = torch.randn(tokens * world, width, generator=g, requires_grad=True)
+        probe = torch.randn(tokens * world, width, generator=g)
+        (full(x_all) * probe).sum().backward()
+        lo, hi = tokens * rank, tokens * (rank + 1)
+        x = x_all.detach()[lo:hi].clone().requires_grad_(True)
+        out = ep(x)
+        (out * probe[lo:hi]).sum().backward()
+        with torch.no_grad():
+            ref_out = full(x_all)[lo:hi]
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6, msg=lambda m: f"{recipe} out: {m}")
+        torch.testing.assert_close(x.grad, x_all.grad[lo:hi], rtol=1e-5, atol=1e-6, msg=lambda m: f"{recipe} dx: {m}")
+        assert_expert_parallel_grads(ep, full, rank, 2, recipe, atol=1e-6, rtol=1e-5)
+
+
+def test_fp8_expert_parallel_equals_one_process():
+    run_ranks(ep_fp8_worker, 2)
