@@ -192,6 +192,8 @@ class FMoE(ForgetsLastForward, nn.Module):
         if name == "gate":      # fmoe's gates route; FastMoE's module gates return (index, score)
             self.__dict__["gate_routing"] = (routing_of_gate if isinstance(value, BaseGate)
                                              else routing_from_fastmoe_gate)
+            if isinstance(value, BaseGate):
+                value.hold_fp32()       # made under a bf16 default dtype: its routing math stays fp32
         super().__setattr__(name, value)
         if name in ("experts", "fp32_combine") and "experts_call" in self.__dict__:
             self.experts_call = experts_call(self, self.has_own_expert_fn)    # lean or plain, for these experts

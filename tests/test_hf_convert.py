@@ -383,3 +383,51 @@ def test_export_keeps_a_learned_selection_bias_where_the_family_holds_one(tmp_pa
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(plain(tokens()).logits, model(tokens()).logits, **TOL)
+
+
+def test_convert_under_a_bf16_default_dtype_keeps_the_router_in_fp32():
+    """#53 case 10: transformers keeps DeepSeek-V3's router weight and score-correction bias in fp32
+    under torch.set_default_dtype(torch.bfloat16); so does the converted layer's gate."""
+    from fmoe.layer import FMoE
+    model = tiny("deepseek_v3")
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        converted = fmoe.integrations.hf.convert(model)
+        gates = [m.gate for m in converted.modules() if isinstance(m, FMoE)]
+        layer = FMoE(num_expert=4, d_model=8, d_hidden=8, gate="router", top_k=2)
+    finally:
+        torch.set_default_dtype(before)
+    assert gates
+    for gate in gates + [layer.gate]:
+        low = {n: t.dtype for n, t in list(gate.named_parameters()) + list(gate.named_buffers())
+               if t.is_floating_point() and t.dtype != torch.float32}
+        assert not low, low
+
+
+def test_convert_deepseek_v3_with_fewer_groups_than_top_k_needs_routes_as_transformers():
+    """#53 case 9: transformers' own test config (8 experts in 2 groups, topk_group=1, top_k=8) lets the
+    top-k reach past the chosen group; fmoe's router refuses such a config, so convert keeps the
+    family's router and converts at the experts seam, saying so, equal to transformers."""
+    import warnings
+    from fmoe.integrations.hf.seam import seam_layers
+    from tests.hf_models import COMMON, DEEPSEEK
+    cfg = transformers.DeepseekV3Config(**dict(DEEPSEEK, n_routed_experts=8, n_group=2, topk_group=1,
+                                               num_experts_per_tok=8), q_lora_rank=8, rope_interleave=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for name, tensor in model.named_parameters():
+            tensor.copy_(torch.randn(tensor.shape, generator=g) * 0.3)
+    ids = tokens()
+    want = model(ids).logits
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        converted = fmoe.integrations.hf.convert(copy.deepcopy(model))
+    assert seam_layers(converted), "converted at the experts seam"
+    assert any("experts seam instead" in str(w.message) and "top_k" in str(w.message) for w in caught), \
+        [str(w.message) for w in caught]
+    torch.testing.assert_close(converted(ids).logits, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="top_k"):
+        fmoe.integrations.hf.convert(copy.deepcopy(model), seam=False)

@@ -198,6 +198,15 @@ class BaseGate(ForgetsLastForward, nn.Module):
     def _apply(self, fn, *args, **kwargs):
         return super()._apply(keep_at_least_fp32(fn) if self.keeps_fp32 else fn, *args, **kwargs)
 
+    def hold_fp32(self) -> "BaseGate":
+        """A gate that keeps fp32 with parameters made below it (under `torch.set_default_dtype(torch.bfloat16)`)
+        brings them to fp32: routing decisions are sensitive to rounding. The layer calls it when it takes the gate."""
+        if self.keeps_fp32:
+            for tensor in list(self.parameters()) + list(self.buffers()):
+                if tensor.is_floating_point() and tensor.dtype.itemsize < 4:
+                    tensor.data = tensor.data.float()
+        return self
+
     def route(self, x_TD: torch.Tensor):
         raise NotImplementedError(f"{type(self).__name__} implements neither route() nor forward()")
 

@@ -8,6 +8,7 @@
 Each block is replaced by an `HFMoEBlock` (`fmoe.integrations.hf.block`).
 """
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,7 +21,7 @@ from fmoe.integrations.hf.block import (HFMoEBlock, converted_blocks,  # noqa: F
                                         recorder_for)
 from fmoe.integrations.hf.export import save_pretrained
 from fmoe.integrations.hf.families import BY_BLOCK, ExpertWeights, Family, find_moe_blocks
-from fmoe.integrations.hf.seam import SeamMoE, convert_at_seam, find_seam_experts
+from fmoe.integrations.hf.seam import SEAM_OPTIONS, SeamMoE, convert_at_seam, find_seam_experts
 from fmoe.layer import FMoE, check_world
 
 FMOE_OPTIONS = ("backend", "shadow", "schedule", "schedule_group_size", "recompute")   # go to FMoE; other options to the gate
@@ -121,7 +122,8 @@ def convert(model: nn.Module, ep_size: int = 1, moe_group: Optional[dist.Process
     router and shared experts stay, each experts module becomes a `SeamMoE` (options: FMoE's, and a
     `capacity`). False: the whole block, for the families of `FAMILIES` only (fmoe's router, its
     options). None (the default): the seam where no MoE block of the model is one of `FAMILIES`,
-    else the whole block.
+    else the whole block, and the seam (with a warning saying why) where fmoe's router cannot route
+    the model's config as the family does.
 
     Every block is checked (and its replacement built) before any is swapped in: on an error naming
     the block the model is left unchanged. With `ep_size` > 1 (torch.distributed initialised;
@@ -137,12 +139,22 @@ def convert(model: nn.Module, ep_size: int = 1, moe_group: Optional[dist.Process
     if any(isinstance(m, (HFMoEBlock, SeamMoE)) for m in model.modules()):
         raise ValueError(f"convert: {type(model).__name__} is already converted (it holds fmoe layers)")
     blocks = find_moe_blocks(model)
-    if seam is None:
+    decide = seam is None
+    if decide:
         seam = not any(type(block).__name__ in BY_BLOCK for _, block in blocks) and bool(find_seam_experts(model))
     if seam:
         convert_at_seam(model, ep_size, moe_group, **options)
     else:
-        convert_blocks(model, blocks, config, ep_size, moe_group, options)
+        try:
+            convert_blocks(model, blocks, config, ep_size, moe_group, options)
+        except ValueError as err:
+            # A config fmoe's router cannot route as the family does (DeepSeek-V3 with fewer expert
+            # groups than top_k needs): the family's own router keeps routing, at the seam.
+            if not (decide and find_seam_experts(model) and set(options) <= set(SEAM_OPTIONS)):
+                raise
+            warnings.warn(f"{err}; converted at the experts seam instead (the family's own router kept, "
+                          "fmoe's experts behind it): pass seam=True to choose it, seam=False to refuse", stacklevel=2)
+            convert_at_seam(model, ep_size, moe_group, **options)
     # transformers' own would write fmoe's names (and under EP only this rank's experts), which plain
     # from_pretrained initialises at random.
     model.save_pretrained = functools.partial(save_pretrained, model)

@@ -219,7 +219,7 @@ def seam_experts(experts: nn.Module, layout: dict, rank: int, ep_size: int, back
     new.num_experts = e
     new.has_gate, new.has_bias, new.is_transposed = layout["has_gate"], layout["has_bias"], layout["is_transposed"]
     new.has_post_expert_norm = layout["post_norm"]
-    new.backend, new.recompute = backend, recompute
+    new.backend, new.recompute, new.fp8 = backend, recompute, None
     new.num_expert, new.d_model, new.d_hidden = e, layout["D"], layout["F"]
     new.activation = activation_of(experts, layout["has_gate"])
     return new
