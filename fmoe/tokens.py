@@ -35,8 +35,10 @@ class TokenRows:
         rows = [t.reshape(-1, t.shape[-1]) for t in leaves]
         if layer.slice_group is not None:
             rows = [slice_rows(t, layer.slice_group) for t in rows]
-        if hasattr(layer.gate, "tokens_layout"):
-            layer.gate.tokens_layout = (tuple(lead), layer.sequence_first)   # where its sequences are
+        # Where its sequences are, for a gate that reads it. Asked of the class: reading the instance's
+        # last value would make a compiled layer guard on it and recompile for every token count.
+        if getattr(type(layer.gate), "reads_tokens_layout", False):
+            layer.gate.tokens_layout = (tuple(lead), layer.sequence_first)
 
         def restore(y):
             out, out_spec = tree_flatten(y)

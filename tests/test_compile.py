@@ -222,3 +222,19 @@ def test_kernels_choose_the_sync_free_path_when_compiling(monkeypatch):
 
 def test_expert_parallel_compiled_equals_eager_on_two_ranks():
     run_ranks(dist_workers.check_compiled_layer_matches_eager, 2)
+
+
+@pytest.mark.parametrize("gate, gate_kwargs", [("naive", None), ("router", {"aux_loss": "sequence"})])
+def test_compiled_layer_compiles_once_more_for_new_token_counts(gate, gate_kwargs):
+    """#53 case 8: a compiled layer does not recompile for every token count (prefill then decode, a
+    short last batch): the first count compiles, the second compiles dynamic, later ones reuse it."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    layer = fmoe.FMoETransformerMLP(num_expert=4, d_model=16, d_hidden=16, top_k=2, gate=gate, gate_kwargs=gate_kwargs)
+    compiled = torch.compile(layer, backend="aot_eager")
+    for length in (5, 7, 9):
+        compiled(torch.randn(2, length, 16)).sum().backward()
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    torch._dynamo.reset()

@@ -102,6 +102,7 @@ class RouterGate(BaseGate):
     """
 
     keeps_fp32 = True
+    reads_tokens_layout = True      # the layer sets tokens_layout before each forward (sequence losses read it)
 
     def __init__(self, d_model, num_expert, world_size=1, top_k=2, *, score="softmax", softmax_after_topk=False,
                  norm_topk_prob=False, routed_scaling_factor=1.0, n_group=1, topk_group=1, group_score="top2_sum",
