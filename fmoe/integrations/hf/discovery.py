@@ -46,7 +46,11 @@ TINY_SIZES = {
     "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 4, "mamba_n_heads": 4, "mamba_d_head": 16,
     "chunk_size": 8, "moe_latent_size": None,
     "use_mamba_kernels": False, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0,
+    # MoE in every layer: no dense-only layers first, and the MoE block switched on where it is optional
+    "num_dense_layers": 0, "mlp_only_layers": [], "enable_moe_block": True,
 }
+# A layer-type pattern a config leaves None (its model reads it per layer): one type for every layer.
+UNSET_LAYER_TYPES = {"layer_types": "full_attention", "mlp_layer_types": "sparse"}
 LAYER_TYPE_ATTRS = ("layer_types", "layers_block_type")
 
 
@@ -209,6 +213,9 @@ def tiny_config(config_class, extra: Optional[dict] = None):
             overrides[attr] = one_each
             if "num_hidden_layers" in overrides:
                 overrides["num_hidden_layers"] = max(overrides["num_hidden_layers"], len(one_each))
+    for attr, kind in UNSET_LAYER_TYPES.items():
+        if attr in declared and declared[attr] is None:
+            overrides[attr] = [kind]
     for attr in sorted(k for k in overrides if k.endswith("layer_types") or k == "layers_block_type"):
         n = overrides.get("num_hidden_layers", len(overrides[attr]))
         overrides[attr] = (overrides[attr] * n)[:n]
