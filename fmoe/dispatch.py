@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map
 
 from fmoe import kernels
 from fmoe.autocast import autocast_dtype
-from fmoe.distributed import dedup, exchange
+from fmoe.distributed import dedup, exchange, fp8_exchange
 from fmoe.distributed.pipeline import chunked_plan, pipeline_chunks_for, pipelined_exchange
 from fmoe.distributed.schedule import scheduled_experts
 from fmoe.distributed.shadow import BufferPool, ShadowPull
@@ -180,12 +180,17 @@ class SlotExchange(Exchange):
         y_ND = self.layer.experts_call.checked(self.run_rows(x_ND, plan, alongside))
         return tree_map(lambda t: kernels.unpermute(t, plan, weight_TK, backend), y_ND)
 
+    @property
+    def fp8_rows(self):
+        """The FP8 recipe the rows to the experts travel in (the experts' `fp8=`), None: their dtype."""
+        return getattr(self.layer.experts, "fp8", None)
+
     def pipelining(self, x_ND) -> bool:
         """overlap="pipeline" chunks this exchange: eager (traced, the exchange runs as "shared"), one
-        tensor of rows, nothing shadowed or scheduled (the callers check those), and experts that FSDP2
-        does not shard (each chunk's call would gather their parameters again)."""
+        tensor of rows, nothing shadowed or scheduled (the callers check those), experts that FSDP2
+        does not shard (each chunk's call would gather their parameters again), rows not sent in FP8."""
         return (self.pipeline and isinstance(x_ND, torch.Tensor) and not torch.compiler.is_compiling()
-                and not sharded_by_fsdp(self.layer.experts))
+                and not sharded_by_fsdp(self.layer.experts) and self.fp8_rows is None)
 
     def pipelined(self, x_ND, plan: RoutingPlan, weight_N, experts, alongside: SharedTerm):
         """The exchange in chunks of local experts, as many as the performance model picks."""
@@ -206,6 +211,11 @@ class SlotExchange(Exchange):
             y_sent = scheduled_experts(self.layer.experts, x_sent, plan.exchange, self.schedule_group_size)
         elif pull is None and self.pipelining(x_sent):
             y_sent = self.pipelined(x_sent, plan, None, lambda x_RD, counts_e, _: call.rows(x_RD, counts_e), alongside)
+        elif pull is None and self.fp8_rows is not None:
+            # FP8 rows out (and output gradients out), in line: the work alongside runs first
+            self.travelling(alongside)
+            x_RD = fp8_exchange.dispatch(x_sent, plan, self.fp8_rows)
+            y_sent = fp8_exchange.combine(call.rows(x_RD, plan.local_counts_e), plan, self.fp8_rows)
         else:
             rows = self.start_dispatch(x_sent, plan)
             self.travelling(alongside)

@@ -11,7 +11,7 @@ import fmoe
 from fmoe import kernels
 from fmoe.experts import GroupedExperts
 from fmoe.kernels import fp8
-from tests.dist_utils import assert_expert_parallel_grads, run_ranks
+from tests.dist_utils import run_ranks
 
 E4M3 = torch.float8_e4m3fn
 
@@ -280,7 +280,11 @@ def test_fp8_state_dict_loads_into_a_layer_without_fp8():
 
 
 def ep_fp8_worker(rank, world):
-    """fp8 at ep_size 2 equals fp8 on one process holding every expert: output and every gradient."""
+    """fp8 at ep_size 2, its rows and output gradients travelling as FP8, against fp8 on one process
+    holding every expert: the output and x's gradient equal to rounding (the experts' GEMMs quantise
+    the received rows in the tiles they travelled in: the same e4m3 values), the router's gradients
+    too; the experts' weight gradients, whose tiles run along the tokens of values already rounded to
+    e4m3, within FP8's error."""
     from tests.dist_workers import D as width, build_pair
     for recipe in fp8.RECIPES:
         full, ep = build_pair("naive", 2, 2, world, rank, fp8=recipe, activation="swiglu")
@@ -297,8 +301,62 @@ def ep_fp8_worker(rank, world):
             ref_out = full(x_all)[lo:hi]
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6, msg=lambda m: f"{recipe} out: {m}")
         torch.testing.assert_close(x.grad, x_all.grad[lo:hi], rtol=1e-5, atol=1e-6, msg=lambda m: f"{recipe} dx: {m}")
-        assert_expert_parallel_grads(ep, full, rank, 2, recipe, atol=1e-6, rtol=1e-5)
+        for name, p in ep.experts.named_parameters():
+            ref = getattr(full.experts, name).grad[rank * 2:(rank + 1) * 2]
+            error = float((p.grad - ref).norm() / ref.norm())
+            assert error < 0.1, (recipe, name, error)
+        for (name, p), (_, q) in zip(ep.gate.named_parameters(), full.gate.named_parameters()):
+            grad = p.grad.clone()
+            torch.distributed.all_reduce(grad)
+            torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{recipe} gate {name}: {m}")
 
 
 def test_fp8_expert_parallel_equals_one_process():
     run_ranks(ep_fp8_worker, 2)
+
+
+def fp8_bytes_worker(rank, world, out_file):
+    """Bytes this rank's all-to-alls send to the other ranks in one bf16 step (forward and backward),
+    counted at torch.distributed, with fp8=None and with each recipe."""
+    import json
+    import torch.distributed as dist
+    sent = [0]
+    plain = dist.all_to_all_single
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        rows = input_split_sizes or [input.shape[0] // world] * world
+        row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
+        sent[0] += sum(n for w, n in enumerate(rows) if w != dist.get_rank(group)) * row_bytes
+        return plain(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = counting
+    result = {}
+    try:
+        for recipe in (None,) + fp8.RECIPES:
+            torch.manual_seed(0)
+            layer = fmoe.FMoETransformerMLP(num_expert=2, world_size=world, d_model=256, d_hidden=64, top_k=2,
+                                            fp8=recipe).to(torch.bfloat16)
+            x = torch.randn(64, 256, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+            x.requires_grad_(True)
+            sent[0] = 0
+            layer(x).float().sum().backward()
+            result[str(recipe)] = sent[0]
+    finally:
+        dist.all_to_all_single = plain
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(result, f)
+
+
+def test_fp8_expert_parallel_bytes_are_at_most_0_8_of_bf16(tmp_path):
+    """#49: the rows out and their output gradients travel as e4m3 and scales, the legs back in bf16."""
+    import json
+    out = tmp_path / "bytes.json"
+    run_ranks(fp8_bytes_worker, 2, str(out))
+    sent = json.loads(out.read_text())
+    for recipe in fp8.RECIPES:
+        assert sent[recipe] <= 0.8 * sent["None"], (recipe, sent)
+    # bf16 rows out and back, gradients back and out: 4 legs of 2 bytes an element, of which the bf16 lean
+    # path sends the combine and its gradient in fp32 (its weighted rows are summed once, in fp32); fp8
+    # sends 1 byte and a scale out, 2 bytes back: at most (1 + 4/128 + 2) * 2 / (2 * 2 + 4 * 2) of it
+    assert sent["blockwise"] <= (1 + 4 / 128 + 2) * 2 / 12 * sent["None"] * 1.05, sent
