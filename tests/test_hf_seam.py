@@ -197,3 +197,17 @@ def test_family_table_names_each_family_that_does_not_build_with_its_reason():
     rows = parse(TABLE.read_text())
     for name in NAMES:
         assert rows[name]["model built"].startswith("no:") == (build_error(name) is not None), name
+
+
+def test_family_seam_example_trains_qwen3_5_moe_at_ep2_and_plain_transformers_reloads_it(tmp_path):
+    """#53's done-when: the example trains a tiny Qwen3.5-MoE converted at the seam on 2 processes,
+    prints fmoe's routing statistics, and saves what plain transformers loads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    example = Path(__file__).resolve().parents[1] / "examples/hf/seam_ep.py"
+    result = subprocess.run([sys.executable, str(example), "--steps", "2", "--out", str(tmp_path / "saved")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 1: loss" in result.stdout and "tokens per expert" in result.stdout, result.stdout
+    assert "reloaded by plain transformers: Qwen3_5MoeForCausalLM" in result.stdout, result.stdout
