@@ -21,7 +21,7 @@ from fmoe.integrations.hf.block import (HFMoEBlock, converted_blocks,  # noqa: F
                                         recorder_for)
 from fmoe.integrations.hf.export import save_pretrained
 from fmoe.integrations.hf.families import BY_BLOCK, ExpertWeights, Family, find_moe_blocks
-from fmoe.integrations.hf.seam import SEAM_OPTIONS, SeamMoE, convert_at_seam, find_seam_experts
+from fmoe.integrations.hf.seam import SeamMoE, convert_at_seam, find_seam_experts
 from fmoe.layer import FMoE, check_world
 
 FMOE_OPTIONS = ("backend", "shadow", "schedule", "schedule_group_size", "recompute")   # go to FMoE; other options to the gate
@@ -68,6 +68,10 @@ def plan_block(name: str, block: nn.Module, model_config, ep_size: int, options:
     return BlockPlan(name, block, family, config, experts, router_state, gate_options)
 
 
+class RouterOptionsRefused(ValueError):
+    """fmoe's router cannot take the family's routing options (its own, or the ones passed)."""
+
+
 def build_block(plan: BlockPlan, ep_size: int, moe_group, options: dict) -> HFMoEBlock:
     E, D, F = plan.experts.shape
     e = E // ep_size
@@ -76,7 +80,8 @@ def build_block(plan: BlockPlan, ep_size: int, moe_group, options: dict) -> HFMo
     try:
         gate = RouterGate.from_preset(family.router_preset, D, e, ep_size, **plan.gate_options)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"convert: {plan.name}: the router options {plan.gate_options} do not fit: {err}") from err
+        raise RouterOptionsRefused(f"convert: {plan.name}: the router options {plan.gate_options} do not fit: {err}") \
+            from err
     shared = getattr(block, family.shared) if family.shared else None
     moe = FMoE(num_expert=e, d_model=D, world_size=ep_size, moe_group=moe_group, gate=gate, d_hidden=F,
                activation=w.activation, expert_bias=w.b1_EF is not None, shared_expert=shared,
@@ -147,10 +152,10 @@ def convert(model: nn.Module, ep_size: int = 1, moe_group: Optional[dist.Process
     else:
         try:
             convert_blocks(model, blocks, config, ep_size, moe_group, options)
-        except ValueError as err:
+        except RouterOptionsRefused as err:
             # A config fmoe's router cannot route as the family does (DeepSeek-V3 with fewer expert
             # groups than top_k needs): the family's own router keeps routing, at the seam.
-            if not (decide and find_seam_experts(model) and set(options) <= set(SEAM_OPTIONS)):
+            if not (decide and not options and find_seam_experts(model)):
                 raise
             warnings.warn(f"{err}; converted at the experts seam instead (the family's own router kept, "
                           "fmoe's experts behind it): pass seam=True to choose it, seam=False to refuse", stacklevel=2)
