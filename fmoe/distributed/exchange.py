@@ -241,14 +241,19 @@ def start_all_to_all(x, send_splits, recv_splits, group, what: str, traffic: Opt
     return InFlight(_Issue.apply(x, flight), flight)
 
 
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """The inverse of the permutation `order`: inverse[order[i]] = i."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
 class Reorder(torch.autograd.Function):
     """out = x[order] for a permutation `order`; the backward gathers by the inverse (no scatter-add)."""
 
     @staticmethod
     def forward(ctx, x, order):
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        ctx.save_for_backward(inverse)
+        ctx.save_for_backward(inverse_order(order))
         return x.index_select(0, order)
 
     @staticmethod
@@ -288,8 +293,6 @@ def combine(y_RD: torch.Tensor, plan) -> torch.Tensor:
     plan = plan.exchange
     if plan is None:
         return y_RD
-    inverse = torch.empty_like(plan.recv_order_R)
-    inverse[plan.recv_order_R] = torch.arange(plan.recv_order_R.numel(), device=inverse.device)
-    y_RD = Reorder.apply(y_RD, inverse)
+    y_RD = Reorder.apply(y_RD, inverse_order(plan.recv_order_R))
     return AllToAll.apply(y_RD, plan.recv_splits_W, plan.send_splits_W, plan.group, f"{plan.layer}: combine all-to-all",
                           plan.traffic, "combine")

@@ -13,7 +13,7 @@ from typing import List
 
 import torch
 
-from fmoe.distributed.exchange import AllToAll, ExchangePlan, Reorder, issue_all_to_all
+from fmoe.distributed.exchange import AllToAll, ExchangePlan, Reorder, inverse_order, issue_all_to_all
 from fmoe.kernels import fp8
 
 
@@ -77,6 +77,4 @@ def dispatch(x_ND: torch.Tensor, plan, recipe: str) -> torch.Tensor:
 def combine(y_RD: torch.Tensor, plan, recipe: str) -> torch.Tensor:
     """`fmoe.distributed.exchange.combine` with the output gradients travelling as FP8."""
     exchange = plan.exchange
-    inverse = torch.empty_like(exchange.recv_order_R)
-    inverse[exchange.recv_order_R] = torch.arange(exchange.recv_order_R.numel(), device=inverse.device)
-    return FP8GradCombine.apply(Reorder.apply(y_RD, inverse), exchange, recipe)
+    return FP8GradCombine.apply(Reorder.apply(y_RD, inverse_order(exchange.recv_order_R)), exchange, recipe)

@@ -20,7 +20,7 @@ from typing import Callable, List, Optional
 import torch
 
 from fmoe.distributed import link
-from fmoe.distributed.exchange import ExchangePlan, Reorder, expert_major_order, start_all_to_all
+from fmoe.distributed.exchange import ExchangePlan, Reorder, expert_major_order, inverse_order, start_all_to_all
 from fmoe.env import env_int
 from fmoe.perf.perfmodel import PerfModel, pipeline_chunks
 
@@ -74,9 +74,7 @@ def chunked_plan(exchange: ExchangePlan, sent_counts_E: torch.Tensor, chunks: in
                           recv_splits=[sum(recv_We[w][j0:j1]) for w in range(W)],
                           order_R=expert_major_order(recv_counts_WJ), counts_e=counts_e))
     send_order_N = (torch.cat(send_order) if send_order else torch.zeros(0, dtype=torch.long)).to(device)
-    return_order_N = torch.empty_like(send_order_N)
-    return_order_N[send_order_N] = torch.arange(send_order_N.numel(), device=device)
-    return ChunkedPlan(plan, send_order_N, return_order_N)
+    return ChunkedPlan(plan, send_order_N, inverse_order(send_order_N))
 
 
 def pipeline_chunks_for(layer, x_ND: torch.Tensor) -> int:
@@ -95,12 +93,6 @@ def pipeline_chunks_for(layer, x_ND: torch.Tensor) -> int:
         return pipeline_chunks(model, x_ND.shape[0], layer.num_expert, NCCL_LATENCY_S)
     return pipeline_chunks(model, x_ND.shape[0], layer.num_expert, simulated.latency_us * 1e-6,
                            simulated.gbps * 1e9 / 8)
-
-
-def inverse(order: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(order)
-    out[order] = torch.arange(order.numel(), device=order.device)
-    return out
 
 
 def pipelined_exchange(x_ND: torch.Tensor, weight_N: Optional[torch.Tensor], exchange: ExchangePlan,
@@ -130,7 +122,7 @@ def pipelined_exchange(x_ND: torch.Tensor, weight_N: Optional[torch.Tensor], exc
     for chunk, (rows, weights) in zip(chunked.chunks, started):
         x_RD = rows.wait()
         y_RD = experts(x_RD, chunk.counts_e, None if weights is None else weights.wait()[:, 0])
-        y_back = Reorder.apply(y_RD, inverse(chunk.order_R))
+        y_back = Reorder.apply(y_RD, inverse_order(chunk.order_R))
         returning.append(start_all_to_all(y_back, chunk.recv_splits, chunk.send_splits, exchange.group,
                                           f"{what} combine all-to-all", exchange.traffic, "combine"))
     y_parts = [back.wait() for back in returning]
