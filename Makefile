@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup check-setup demo test docs test-8-ranks test-compat test-gpu-stack test-modes aot test-megatron19 test-megatron-parallel test-fastmoe clean
+.PHONY: setup check-setup demo test docs test-8-ranks test-compat test-gpu-stack test-modes aot test-megatron19 test-megatron-parallel test-fastmoe test-torchtitan clean
 
 # One pip install, so torch is installed at most once. The venv sees the system site-packages: an installed
 # torch (CPU or CUDA) is pinned as it is, never replaced, and triton follows it. Where there is none, TORCH (the
@@ -136,6 +136,24 @@ $(VENV19)/.installed: $(VENV)/.installed
 test-megatron19: $(VENV19)/.installed
 	$(VENV19)/bin/python -m pytest -q tests/test_megatron*.py
 
+# fmoe inside torchtitan (tests/test_torchtitan*.py). torchtitan's requirements (datasets pins fsspec below the test
+# venv's) conflict with constraints.txt, so it gets a venv of its own over the test venv's packages (fmoe, pytest,
+# transformers) and the system's torch, with fmoe's `torchtitan` extra (torchtitan, flash-linear-attention) on top.
+VENVTT := .venv-torchtitan
+
+$(VENVTT)/.installed: $(VENV)/.installed setup.py
+	rm -rf $(VENVTT)
+	$(BIN)/python -m venv --system-site-packages $(VENVTT)
+	site=$$($(VENVTT)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	  echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+	    > $$site/zz-fmoe-test-venv.pth
+	$(VENVTT)/bin/pip install --quiet -e '.[torchtitan]' 'torch==$(TORCH)'
+	$(VENVTT)/bin/python -c "import torchtitan.models.qwen3_5, fmoe.integrations.torchtitan"
+	touch $@
+
+test-torchtitan: $(VENVTT)/.installed
+	$(VENVTT)/bin/python -m pytest -q tests/test_torchtitan*.py
+
 # FastMoE's own single-process tests (a checkout of github.com/laekov/fastmoe: FASTMOE=path), unchanged, against
 # fmoe on the CPU: .cuda() is the identity there (tests/fastmoe_cpu_shim.py). Its multi-GPU tests skip themselves.
 FASTMOE ?= ../fastmoe
@@ -145,4 +163,4 @@ test-fastmoe: setup
 	  -p tests.fastmoe_cpu_shim $(FASTMOE_TESTS)
 
 clean:
-	rm -rf $(VENV) $(VENV19) .venv-compat-oldest .venv-compat-newest .venv-gpu-stack runs site
+	rm -rf $(VENV) $(VENV19) $(VENVTT) .venv-compat-oldest .venv-compat-newest .venv-gpu-stack runs site

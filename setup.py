@@ -19,6 +19,9 @@ setup(
         "deepspeed": ["deepspeed==0.19.8"],
         "hf": ["transformers>=5,<6"],
         "megatron": ["megatron-core==0.16.1"],
+        # fmoe.integrations.torchtitan; flash-linear-attention for torchtitan's Qwen3.5 (its linear attention).
+        # Its datasets pin conflicts with the test venv's constraints: `make test-torchtitan` has a venv of its own.
+        "torchtitan": ["torchtitan==0.3.0", "flash-linear-attention==0.6.0"],
         "bench": ["triton>=3.0"],
         # `make docs` (and `make test`, which builds the site); constraints.txt pins the versions CI builds with.
         "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=1.0", "mkdocstrings-python>=2.0"],
