@@ -77,17 +77,21 @@ def test_torchtitan_experts_level_default_runs_bf16_as_torchtitan(family):
     """The default (dtype=bfloat16) computes the experts as torchtitan does: equal within bf16 rounding.
     torchtitan's gpt-oss experts return bfloat16, which its combine adds only into bfloat16 tokens: that
     model runs in bfloat16."""
-    model = tiny(family)
-    if family == "gpt_oss":
-        model = model.to(torch.bfloat16)
+    dtype = torch.bfloat16 if family == "gpt_oss" else torch.float32
+    model = models.debug_model(family, n_layers=N_LAYERS[family], dtype=dtype)
     reference = copy.deepcopy(model)
     fmoe_titan.use_fmoe_experts(model)
+    assert_near_torchtitan_as_is(model, reference, logits_tol=1e-2, grad_tol=2e-2)
+
+
+def assert_near_torchtitan_as_is(model, reference, logits_tol, grad_tol):
+    """Logits and every gradient of `model` within these relative errors of torchtitan's unmodified `reference`."""
     tokens = tokens_for(model)
     want, want_grads = loss_and_grads(reference, tokens)
     got, got_grads = loss_and_grads(model, tokens)
-    assert relative_error(got, want) < 1e-2
+    assert relative_error(got, want) < logits_tol
     for name in want_grads:
-        assert relative_error(got_grads[name], want_grads[name]) < 2e-2, name
+        assert relative_error(got_grads[name], want_grads[name]) < grad_tol, name
 
 
 def relative_error(got, want):
@@ -280,3 +284,33 @@ def test_torchtitan_refusals_leave_the_model_unchanged():
         fmoe_titan.use_fmoe_experts(model, dtype=torch.int8)
     with pytest.raises(ValueError, match="family"):
         models.debug_model("llama3")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_torchtitan_moe_level_bf16_experts_match_torchtitan_as_is(family):
+    """convert(experts_dtype=torch.bfloat16): torchtitan's own numerics in a float32 model (its experts cast
+    to bfloat16), so the converted model matches torchtitan's unmodified one to the order of its sums."""
+    model = tiny(family)
+    reference = copy.deepcopy(model)
+    fmoe_titan.convert(model, experts_dtype=torch.bfloat16)
+    assert_near_torchtitan_as_is(model, reference, logits_tol=1e-4, grad_tol=1e-2)
+
+
+def test_torchtitan_example_trains_both_and_prints_the_curves(tmp_path):
+    """examples/torchtitan/train_qwen3_debug.py as the README runs it (fewer steps): both curves printed,
+    equal within its tolerance, fmoe's routing statistics printed and written."""
+    import json
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "curves.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-W", "ignore", "examples/torchtitan/train_qwen3_debug.py", "--steps", "5",
+                          "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "torchtitan        fmoe" in run.stdout and "router_entropy" in run.stdout
+    result = json.loads(out.read_text())
+    assert len(result["curves"]["torchtitan"]) == len(result["curves"]["fmoe"]) == 5
+    assert result["largest_relative_difference"] < 1e-2
+    assert result["curves"]["fmoe"][-1] < result["curves"]["fmoe"][0]
+    assert set(result["routing_stats"]) == {"layers.0.moe", "layers.1.moe"}

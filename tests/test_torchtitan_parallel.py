@@ -14,5 +14,13 @@ def test_torchtitan_ep_two_ranks_equals_one_process(family, tmp_path):
     run_ranks(torchtitan_workers.fmoe_ep_equals_one_process, 2, family, str(tmp_path))
 
 
+def test_torchtitan_ep_under_torchtitans_activation_checkpointing(tmp_path):
+    run_ranks(torchtitan_workers.fmoe_ep_equals_one_process, 2, "qwen3", str(tmp_path), True)
+
+
 def test_torchtitan_dcp_round_trip_both_ways(tmp_path):
     run_ranks(torchtitan_workers.dcp_round_trips, 2, "qwen3", str(tmp_path))
+
+
+def test_torchtitan_ep_without_torchtitans_parallelize(tmp_path):
+    run_ranks(torchtitan_workers.fmoe_ep_on_a_plain_model, 2, "deepseek_v3", str(tmp_path))

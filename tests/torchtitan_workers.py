@@ -39,16 +39,18 @@ def loss_of(model, inputs, labels):
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), reduction="sum") / (B * L)
 
 
-def parallel_model(family, dp_shard, ep, folder):
+def parallel_model(family, dp_shard, ep, folder, ac=False):
     """torchtitan's debug model of `family` under ParallelDims(dp_shard, ep) and its own parallelize function
-    (FSDP2 over the data-parallel ranks, experts sharded over the expert-parallel ones), as its trainer
-    builds it: on the meta device, then materialised and initialised."""
+    (FSDP2 over the data-parallel ranks, experts sharded over the expert-parallel ones; `ac`: its full
+    activation checkpointing of every block), as its trainer builds it: on the meta device, then
+    materialised and initialised."""
     import importlib
 
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.activation_checkpoint import FullAC
 
     from fmoe.integrations.torchtitan import models
 
@@ -66,7 +68,8 @@ def parallel_model(family, dp_shard, ep, folder):
     model = spec.parallelize_fn(model, parallel_dims=dims,
                                 training=TrainingConfig(mixed_precision_param="float32",
                                                         mixed_precision_reduce="float32"),
-                                parallelism=parallelism, compile_config=CompileConfig(enable=False), ac_config=None,
+                                parallelism=parallelism, compile_config=CompileConfig(enable=False),
+                                ac_config=FullAC.Config() if ac else None,
                                 dump_folder=folder)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -112,9 +115,10 @@ def step(model, dims, inputs, labels):
     return total
 
 
-def fmoe_ep_equals_one_process(rank, world, family, folder):
-    """fmoe's layer converted into torchtitan's FSDP2 + expert-parallel model: the global loss and every
-    gradient (whole) equal torchtitan's own model in one process."""
+def fmoe_ep_equals_one_process(rank, world, family, folder, ac=False):
+    """fmoe's layer converted into torchtitan's FSDP2 + expert-parallel model (`ac`: under its activation
+    checkpointing too): the global loss and every gradient (whole) equal torchtitan's own model in one
+    process."""
     from fmoe.integrations import torchtitan as fmoe_titan
     torch.manual_seed(0)
     reference = reference_model(family, seed=0)
@@ -122,7 +126,7 @@ def fmoe_ep_equals_one_process(rank, world, family, folder):
     with torchtitan_in_input_dtype():
         want = loss_of(reference, inputs, labels)
         want.backward()
-    model, dims = parallel_model(family, dp_shard=world, ep=world, folder=folder)
+    model, dims = parallel_model(family, dp_shard=world, ep=world, folder=folder, ac=ac)
     copy_weights(model, reference)
     fmoe_titan.convert(model, ep_mesh=dims.get_mesh("ep"))
     layers = fmoe_titan.titan_layers(model)
@@ -131,12 +135,14 @@ def fmoe_ep_equals_one_process(rank, world, family, folder):
     torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
     want_grads = {n: p.grad for n, p in reference.named_parameters()}
     for name, p in model.named_parameters():
-        torch.testing.assert_close(whole(p.grad), want_grads[name], rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"rank {rank} {name}: {m}")
-    # each rank routed its own tokens; together they are the one process's
+        torch.testing.assert_close(whole(p.grad), want_grads[name.replace("_checkpoint_wrapped_module.", "")],
+                                   rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+    # each rank routed its own tokens; together they are the one process's (counted again by the recompute
+    # under activation checkpointing, as torchtitan's MoE counts them, and its balancing hook halves)
     tokens = torch.stack([layer.tokens_per_expert_E for _, layer in layers])
     dist.all_reduce(tokens)
-    assert torch.equal(tokens, torch.stack([m.tokens_per_expert_E for m in moe_modules(reference)]))
+    counted = torch.stack([m.tokens_per_expert_E for m in moe_modules(reference)])
+    assert torch.equal(tokens, counted * (2 if ac else 1))
     traffic = layers[0][1].traffic_bytes
     assert traffic["dispatch"]["forward"], traffic      # the rows did travel between the ranks
 
@@ -193,3 +199,37 @@ def dcp_round_trips(rank, world, family, folder):
             assert torch.equal(whole(t), whole(saved[name])), (saver_fmoe, name)
         torch.testing.assert_close(evaluate(loader, dims), evaluate(saver, dims), rtol=1e-5, atol=1e-6)
     dist.barrier()
+
+
+def fmoe_ep_on_a_plain_model(rank, world, family, folder):
+    """convert(model, ep_mesh=...) on a model torchtitan did not parallelize: fmoe shards the whole experts
+    over the mesh (DTensors, Shard(0)) and exchanges the rows itself; each rank feeds its own sequences. The
+    loss, the experts' gradients (whole) and the others' (summed over the ranks) equal one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fmoe.integrations import torchtitan as fmoe_titan
+    reference = reference_model(family, seed=0)
+    inputs, labels = batch(reference)
+    with torchtitan_in_input_dtype():
+        want = loss_of(reference, inputs, labels)
+        want.backward()
+    model = reference_model(family, seed=0)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    fmoe_titan.convert(model, ep_mesh=mesh)
+    experts = fmoe_titan.titan_layers(model)[0][1].experts
+    assert experts.num_expert == reference.layers["1"].moe.router.num_experts // world
+    rows = slice(rank * B // world, (rank + 1) * B // world)
+    loss = loss_of(model, inputs[rows], labels[rows])
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, want.detach(), rtol=1e-5, atol=1e-6)
+    want_grads = {n: p.grad for n, p in reference.named_parameters()}
+    for name, p in model.named_parameters():
+        grad = p.grad
+        if hasattr(grad, "full_tensor"):
+            grad = grad.full_tensor()
+        else:
+            grad = grad.clone()
+            dist.all_reduce(grad)
+        torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

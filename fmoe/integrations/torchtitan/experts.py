@@ -78,6 +78,12 @@ class TorchtitanExperts(GroupedExperts):
         name = "mlp2_weight_EDF" if self.titan_layout == "gpt_oss" else "w2_EDF"
         return self.local_tensor(name).shape[0]
 
+    @property
+    def lean(self) -> bool:
+        """fmoe's lean MLP where the experts compute in the input's dtype; with a `dtype` of their own they
+        take torchtitan's contract (rows and counts), which casts."""
+        return self.dtype is None and super().lean
+
     def forward(self, x_RD, num_tokens_per_expert_E, *args, **kwargs):
         """torchtitan's contract (rows in expert order, the count of each local expert); called by fmoe's
         layer with its own arguments, it is fmoe's `GroupedExperts.forward`."""

@@ -10,7 +10,11 @@ router replay apply as to any fmoe layer) built from a torchtitan `MoE`:
   `route_scale`, node-limited groups) over torchtitan's own router projection, computed in float32
   as torchtitan computes it, and its selection steered by torchtitan's `expert_bias_E`;
 - the experts are torchtitan's module run by fmoe's kernels (`fmoe.integrations.torchtitan.experts`),
-  in the layer's dtype (the input's, or torch.autocast's), as every fmoe layer;
+  by default in the layer's dtype (the input's, or torch.autocast's) through fmoe's lean MLP, as every
+  fmoe layer: under torchtitan's bf16 mixed precision that is bf16, as torchtitan's experts compute.
+  `experts_dtype=torch.bfloat16` casts rows and weights to it around the two GEMMs whatever the model's
+  dtype, which is what torchtitan's experts do (a float32 model then trains as torchtitan's does, to the
+  bit in the experts), on fmoe's plain (not lean) path;
 - the shared experts are torchtitan's `FeedForward`, computed beside the exchange.
 
 Its parameters and buffers keep torchtitan's names (`router.gate.weight`,
@@ -68,11 +72,11 @@ class TorchtitanRouterGate(RouterGate):
 class TorchtitanMoE(FMoE):
     """fmoe's layer in place of a torchtitan `MoE` (see the module docstring). Made by `convert`."""
 
-    def __init__(self, titan_moe: nn.Module, ep_size: int = 1, moe_group=None, **options):
+    def __init__(self, titan_moe: nn.Module, ep_size: int = 1, moe_group=None, experts_dtype=None, **options):
         check_titan_moe(titan_moe, ep_size, options)
         router, experts = titan_moe.router, titan_moe.routed_experts.inner_experts
         E = router.num_experts
-        experts = swap_experts(experts, dtype=None, backend=options.get("backend"),
+        experts = swap_experts(experts, dtype=experts_dtype, backend=options.get("backend"),
                                recompute=options.get("recompute", "activation"))
         if experts.num_expert != E // ep_size:
             raise ValueError(f"the experts module holds {experts.num_expert} experts here; {E} experts over "
@@ -102,7 +106,7 @@ class TorchtitanMoE(FMoE):
         out_BLD = super().forward(x_BLD)
         if self.training:       # what torchtitan's MoE counts for its balancing hook: this rank's tokens
             with torch.no_grad():
-                self.tokens_per_expert_E.add_(local(self.last_counts_E).to(self.tokens_per_expert_E.dtype))
+                local(self.tokens_per_expert_E).add_(local(self.last_counts_E).to(self.tokens_per_expert_E.dtype))
         return out_BLD
 
     def _init_self_buffers(self, *, buffer_device: Optional[torch.device] = None) -> None:
@@ -137,7 +141,20 @@ def check_titan_moe(titan_moe: nn.Module, ep_size: int, options: dict) -> None:
                          "debugging); fmoe's layer routes by the scores: turn it off, or keep torchtitan's MoE")
     if router.num_expert_groups is not None and router.num_limited_groups is None:
         raise ValueError("torchtitan's router sets num_expert_groups without num_limited_groups")
-    layout_of(titan_moe.routed_experts.inner_experts)
+    experts = titan_moe.routed_experts.inner_experts
+    layout_of(experts)
+    for name, p in experts.named_parameters(recurse=False):
+        if hasattr(p, "device_mesh"):
+            sizes = dict(zip(p.device_mesh.mesh_dim_names or (), p.device_mesh.shape))
+            if sizes.get("tp", 1) > 1:
+                raise ValueError(f"its experts' {name} is split by tensor parallelism (mesh {sizes}); fmoe's layer "
+                                 "runs whole experts: convert a model parallelized without tp, or keep torchtitan's MoE")
+            if sizes.get("ep", 1) != ep_size:
+                raise ValueError(f"its experts' {name} is sharded over an 'ep' mesh dimension of {sizes.get('ep', 1)} "
+                                 f"ranks, ep_mesh has {ep_size}")
+        elif p.shape[0] not in (E, E // ep_size):
+            raise ValueError(f"its experts' {name} holds {p.shape[0]} experts: neither all {E} nor the {E // ep_size} "
+                             f"of one of ep_size={ep_size} ranks")
 
 
 def find_titan_moes(model: nn.Module):
@@ -146,13 +163,14 @@ def find_titan_moes(model: nn.Module):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def convert(model: nn.Module, ep_mesh=None, **options) -> nn.Module:
+def convert(model: nn.Module, ep_mesh=None, experts_dtype=None, **options) -> nn.Module:
     """Every torchtitan MoE module of `model` becomes a `TorchtitanMoE`, in place; returns `model`.
 
     `ep_mesh`: torchtitan's expert-parallel mesh (`parallel_dims.get_mesh("ep")`), or None for one
     process. Under it each rank computes the experts it holds: the experts' parameters, when they are
     whole, become DTensors sharded over the mesh (Shard(0)), as torchtitan's expert parallelism makes
-    them, so that DCP saves and loads them as torchtitan's. `options`: fmoe layer options (MOE_OPTIONS).
+    them, so that DCP saves and loads them as torchtitan's. `experts_dtype`: see the module docstring.
+    `options`: fmoe layer options (MOE_OPTIONS).
     Everything is checked before anything changes."""
     found = find_titan_moes(model)
     if not found:
@@ -173,8 +191,8 @@ def convert(model: nn.Module, ep_mesh=None, **options) -> nn.Module:
             experts = moe.routed_experts.inner_experts
             undo.append((experts, experts.__class__, dict(experts._parameters), dict(experts.__dict__)))
             if ep_size > 1:
-                shard_experts(experts, ep_mesh)
-            layer = TorchtitanMoE(moe, ep_size, group, **options)
+                shard_experts(experts, ep_mesh, moe.router.num_experts)
+            layer = TorchtitanMoE(moe, ep_size, group, experts_dtype, **options)
             layer.routing_name = name
             converted.append((name, layer))
     except Exception:
@@ -191,12 +209,13 @@ def convert(model: nn.Module, ep_mesh=None, **options) -> nn.Module:
     return model
 
 
-def shard_experts(experts: nn.Module, ep_mesh) -> None:
-    """The experts' whole parameters as DTensors sharded by expert over `ep_mesh` (torchtitan's layout
-    under expert parallelism); parameters that already are DTensors stay as they are."""
+def shard_experts(experts: nn.Module, ep_mesh, num_experts: int) -> None:
+    """The experts' whole parameters (all `num_experts`) as DTensors sharded by expert over `ep_mesh`
+    (torchtitan's layout under expert parallelism); DTensors, and plain tensors that already hold this rank's
+    experts alone (as torchtitan's "spmd_types" backend leaves them), stay as they are."""
     from torch.distributed.tensor import Shard, distribute_tensor
     for name, p in list(experts.named_parameters(recurse=False)):
-        if hasattr(p, "to_local"):
+        if hasattr(p, "to_local") or p.shape[0] != num_experts:
             continue
         experts.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), ep_mesh, [Shard(0)]),
                                                       requires_grad=p.requires_grad))
