@@ -295,10 +295,11 @@ class GroupedExperts(nn.Module):
         ("activation": the activation is recomputed inside the second GEMM's backward), x alone
         ("experts": the whole MLP is recomputed, both GEMMs), or what autograd keeps ("none")."""
         def mlp(x):
-            h = kernels.fp8_grouped_mm(x, w1_eDF, counts_e, self.fp8, b1_eF)
+            h = kernels.fp8_grouped_mm(x, w1_eDF, counts_e, self.fp8, b1_eF, backend=self.backend)
             if self.recompute == "none":
-                return kernels.fp8_grouped_mm(self.act(h), w2_eFD, counts_e, self.fp8, b2_eD)
-            return kernels.fp8_grouped_mm(h, w2_eFD, counts_e, self.fp8, b2_eD, activation=self.act)
+                return kernels.fp8_grouped_mm(self.act(h), w2_eFD, counts_e, self.fp8, b2_eD, backend=self.backend)
+            return kernels.fp8_grouped_mm(h, w2_eFD, counts_e, self.fp8, b2_eD, activation=self.act,
+                                          backend=self.backend)
         if self.recompute == "experts" and torch.is_grad_enabled():
             return checkpoint(mlp, x_ND, use_reentrant=False)
         return mlp(x_ND)

@@ -24,6 +24,10 @@ OTHERS = {"expert_row_sums", "permute", "gather_sum", "gather_sum[weighted]", "u
           "expert_row_sums[weighted]", "slot_sums"}
 HOPPER = {"tma_grouped_mm", "tma_grouped_mm+bias", "tma_gather_grouped_mm", "tma_gather_grouped_mm+bias",
           "tma_grouped_mm[w^T]"}
+# The FP8 recipes' grouped GEMM (fmoe.kernels.triton_fp8), forward and input gradient, on sm_90 only (FP8 tensor
+# cores start at sm_89).
+FP8 = {"fp8_grouped_mm", "fp8_grouped_mm[w^T]"}
+FP8_DTYPES = ("fp8-blockwise", "fp8-rowwise", "fp8-mxfp8")
 
 
 def where(row):
@@ -55,9 +59,13 @@ def test_every_kernel_and_config_is_compiled_for_each_target_and_dtype(rows):
     kernels = defaultdict(set)
     for r in rows:
         kernels[r["target"], r["dtype"]].add(r["kernel"])
-    assert set(kernels) == {(t, d) for t in ("sm_80", "sm_90") for d in ("bf16", "fp16", "fp32-tf32", "fp32-ieee")}
+    fp8 = {("sm_90", d) for d in FP8_DTYPES}
+    assert set(kernels) == {(t, d) for t in ("sm_80", "sm_90") for d in ("bf16", "fp16", "fp32-tf32", "fp32-ieee")} | fp8
     hopper = {("sm_90", d) for d in ("bf16", "fp16", "fp32-tf32")}
     for key, names in kernels.items():
+        if key in fp8:
+            assert names == FP8, key
+            continue
         assert names == GEMMS | OTHERS | (HOPPER if key in hopper else set()), key
     failed = [f"{where(r)}: {r['error']}" for r in rows if not r["compiled"]]
     assert not failed, "\n".join(failed)
@@ -80,7 +88,7 @@ def test_gemms_use_the_tensor_cores(rows):
     """wgmma on sm_90 and mma.sync on sm_80; fp32 without TF32 is exact, on the CUDA cores (fma)."""
     wanted = {"sm_90": "wgmma", "sm_80": "mma.sync"}
     for r in rows:
-        if r["kernel"] in GEMMS:
+        if r["kernel"] in GEMMS | FP8:
             instruction = "fma" if r["dtype"] == "fp32-ieee" else wanted[r["target"]]
             assert instruction in r["instructions"], f"{where(r)}: {r['instructions']}"
             assert "cp.async" in r["instructions"], f"{where(r)}: operands not loaded asynchronously"
@@ -91,9 +99,9 @@ def test_the_pinned_config_is_one_per_gemm_target_and_dtype(rows):
     checks above) for every dtype and target."""
     pinned = defaultdict(list)
     for r in rows:
-        if r["kernel"] in GEMMS | HOPPER and r["pinned"]:
+        if r["kernel"] in GEMMS | HOPPER | FP8 and r["pinned"]:
             pinned[r["target"], r["dtype"], r["kernel"]].append(r)
-    assert len(pinned) == 2 * 4 * len(GEMMS) + 3 * len(HOPPER)
+    assert len(pinned) == 2 * 4 * len(GEMMS) + 3 * len(HOPPER) + len(FP8_DTYPES) * len(FP8)
     assert all(len(found) == 1 and found[0]["compiled"] for found in pinned.values())
 
 

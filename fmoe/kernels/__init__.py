@@ -207,13 +207,17 @@ def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
 
 @like_linear_under_autocast
 def fp8_grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor, recipe: str,
-                   bias_eO: Optional[torch.Tensor] = None, activation=None) -> torch.Tensor:
+                   bias_eO: Optional[torch.Tensor] = None, activation=None,
+                   backend: Optional[str] = None) -> torch.Tensor:
     """grouped_mm with FP8 operands: y = q(a_seg) @ q(w_eIO[e]) + bias_eO[e], a = x or `activation(x)`,
     accumulated in fp32, in x's dtype (under torch.autocast, its dtype, as grouped_mm).
 
     `recipe` is "blockwise", "rowwise" or "mxfp8" (`fmoe.kernels.fp8`: how each GEMM of the forward
-    and backward quantises its operands). Emulated on every device for now (dequantise, fp32 GEMMs
-    expert by expert, the counts read on the host); the Triton FP8 kernels are pending (#49).
+    and backward quantises its operands). On Triton (CUDA tensors, or `backend="triton"` under the
+    interpreter) the forward and input-gradient products run the FP8 kernel (`fmoe.kernels.triton_fp8`),
+    which needs FP8 tensor cores (sm_89 or later: an older GPU is refused in one line; FMOE_BACKEND=torch
+    emulates there); the weight gradient, and everything on the torch backend, is emulated (dequantise,
+    fp32 GEMMs expert by expert). The counts are read on the host.
     """
     checks.check_float("x_NI", x_NI, 2, "torch")
     if activation is None:
@@ -223,7 +227,18 @@ def fp8_grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tens
         if w_eIO.dtype != x_NI.dtype:
             raise TypeError(f"w_eIO must have x_NI's dtype {x_NI.dtype}, got {w_eIO.dtype}")
         checks.check_index("counts_e", counts_e, (w_eIO.shape[0],), x_NI.device)
-    return fp8.fp8_grouped_mm(x_NI, w_eIO, counts_e, recipe, bias_eO, activation)
+    triton = resolve_backend(x_NI, backend) == "triton"
+    if triton and x_NI.is_cuda:
+        check_fp8_tensor_cores(torch.cuda.get_device_capability(x_NI.device), recipe)
+    return fp8.fp8_grouped_mm(x_NI, w_eIO, counts_e, recipe, bias_eO, activation, triton)
+
+
+def check_fp8_tensor_cores(capability, recipe: str):
+    """One line refusing FP8 GEMMs on Triton for a GPU of this (major, minor) capability without FP8 tensor cores."""
+    if tuple(capability) < (8, 9):
+        major, minor = capability
+        raise ValueError(f"fp8={recipe!r}: this GPU (sm_{major}{minor}) has no FP8 tensor cores (sm_89 or later "
+                         "has them); FMOE_BACKEND=torch runs the FP8 emulation instead")
 
 
 @like_linear_under_autocast

@@ -29,7 +29,9 @@ powers of two (the same values). The scale is rounded up (no value saturates), a
 cuBLAS MXFP8 recipe does, where the OCP MX specification's default rounds down and clamps.
 
 The emulation dequantises both operands to fp32 and multiplies in fp32 expert by expert, which is
-what an FP8 tensor core computes up to the order of the fp32 sums. The master weights keep their
+what an FP8 tensor core computes up to the order of the fp32 sums. On Triton (a CUDA GPU with FP8
+tensor cores, or the interpreter) the forward and input-gradient products run `fmoe.kernels.triton_fp8`:
+e4m3 tiles into the tensor cores, the scales applied to each partial in the fp32 accumulator. The master weights keep their
 dtype (the optimiser never sees FP8) and nothing quantised is kept between steps: each GEMM
 quantises its operands from the tensors autograd saved (x, or the pre-activation).
 """
@@ -156,16 +158,27 @@ def _grouped(a_NK: torch.Tensor, b_eKO: torch.Tensor, counts: Sequence[int]) -> 
     return out
 
 
-def forward_product(a_NI: torch.Tensor, w_eIO: torch.Tensor, counts: Sequence[int], recipe: str) -> torch.Tensor:
-    """fp32 q(a) @ q(w[e]) per segment: a in tiles along I, w along I."""
-    a = dequantise(quantise_activation(a_NI, recipe))
-    return _grouped(a, dequantise(quantise_weight(w_eIO, recipe)), counts)
+def _quantised_product(a_NK: torch.Tensor, b_eKO: torch.Tensor, counts: Sequence[int], recipe: str,
+                       counts_e: Optional[torch.Tensor]) -> torch.Tensor:
+    """fp32 q(a) @ q(b[e]) per segment, both quantised along K: on Triton's FP8 kernel when `counts_e` (the
+    counts as a tensor on a's device) is given, else emulated (dequantised, fp32 products)."""
+    qa, qb = quantise_activation(a_NK, recipe), quantise_weight(b_eKO, recipe)
+    if counts_e is not None:
+        from fmoe.kernels.triton_fp8 import fp8_grouped_mm_rows
+        return fp8_grouped_mm_rows(qa.data, qa.scale, qa.block[1], qb.data, qb.scale, qb.block, counts_e)
+    return _grouped(dequantise(qa), dequantise(qb), counts)
 
 
-def input_gradient(dy_NO: torch.Tensor, w_eIO: torch.Tensor, counts: Sequence[int], recipe: str) -> torch.Tensor:
+def forward_product(a_NI: torch.Tensor, w_eIO: torch.Tensor, counts: Sequence[int], recipe: str,
+                    counts_e: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 q(a) @ q(w[e]) per segment: a in tiles along I, w along I (Triton's kernel given `counts_e`)."""
+    return _quantised_product(a_NI, w_eIO, counts, recipe, counts_e)
+
+
+def input_gradient(dy_NO: torch.Tensor, w_eIO: torch.Tensor, counts: Sequence[int], recipe: str,
+                   counts_e: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 q(dy) @ q(w[e]^T) per segment: dy in tiles along O, w^T along O (w's columns)."""
-    dy = dequantise(quantise_activation(dy_NO, recipe))
-    return _grouped(dy, dequantise(quantise_weight(w_eIO.transpose(-1, -2), recipe)), counts)
+    return _quantised_product(dy_NO, w_eIO.transpose(-1, -2), counts, recipe, counts_e)
 
 
 def weight_gradient(a_NI: torch.Tensor, dy_NO: torch.Tensor, counts: Sequence[int], recipe: str) -> torch.Tensor:
@@ -197,16 +210,16 @@ class _Fp8GroupedMM(torch.autograd.Function):
     """y = q(act(x)) @ q(w[e]) + b[e] per segment, accumulated in fp32, returned in x's dtype."""
 
     @staticmethod
-    def forward(ctx, x_NI, w_eIO, bias_eO, counts, recipe, activation):
+    def forward(ctx, x_NI, w_eIO, bias_eO, counts, recipe, activation, counts_e=None):
         a_NI = x_NI if activation is None else activation(x_NI)
         if a_NI.shape[-1] != w_eIO.shape[1]:
             raise ValueError(f"fp8_grouped_mm: the GEMM's input has width {a_NI.shape[-1]}, w_eIO has "
                              f"{w_eIO.shape[1]} rows (shape {tuple(w_eIO.shape)})")
-        y = forward_product(a_NI, w_eIO, counts, recipe)
+        y = forward_product(a_NI, w_eIO, counts, recipe, counts_e)
         if bias_eO is not None:
             y += _bias_rows(bias_eO, counts, y.shape[0])
         ctx.save_for_backward(x_NI, w_eIO)
-        ctx.counts, ctx.recipe, ctx.activation = counts, recipe, activation
+        ctx.counts, ctx.recipe, ctx.activation, ctx.counts_e = counts, recipe, activation, counts_e
         ctx.bias_dtype = None if bias_eO is None else bias_eO.dtype
         return y.to(x_NI.dtype)
 
@@ -222,27 +235,29 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 h = x_NI.detach().requires_grad_(True)
                 a_NI = activation(h)
         if ctx.needs_input_grad[0]:
-            da = input_gradient(dy_NO, w_eIO, counts, recipe).to(a_NI.dtype)
+            da = input_gradient(dy_NO, w_eIO, counts, recipe, ctx.counts_e).to(a_NI.dtype)
             dx = da if h is None else torch.autograd.grad(a_NI, h, da)[0]
         if ctx.needs_input_grad[1]:
             dw = weight_gradient(a_NI.detach(), dy_NO, counts, recipe).to(w_eIO.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _segment_sums(dy_NO, counts).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def fp8_grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor, recipe: str,
-                   bias_eO: Optional[torch.Tensor] = None, activation: Optional[Callable] = None) -> torch.Tensor:
+                   bias_eO: Optional[torch.Tensor] = None, activation: Optional[Callable] = None,
+                   triton: bool = False) -> torch.Tensor:
     """Rows in expert order, `counts_e[e]` of them for expert e: y = q(a_seg) @ q(w_eIO[e]) + bias_eO[e]
     with a = x, or `activation(x)` (then x, the pre-activation, is what the backward keeps, and the
     activation is recomputed there). Forward, input gradient and weight gradient each quantise their
     operands with `recipe` along the dimension they reduce over (module docstring), multiply in fp32
     and add the bias in fp32; y is in x's dtype, the gradients in their tensors' dtypes. Rows past
-    the segments are 0. The counts are read on the host.
+    the segments are 0. The counts are read on the host. `triton`: the forward and input-gradient
+    products on Triton's FP8 kernel (`fmoe.kernels.triton_fp8`), the weight gradient emulated.
     """
     if recipe not in RECIPES:
         raise ValueError(f"fp8_grouped_mm: recipe must be one of {RECIPES}, got {recipe!r}")
     counts = tuple(int(n) for n in counts_e.tolist())
     if sum(counts) > x_NI.shape[0]:
         raise ValueError(f"counts_e sums to {sum(counts)} rows, x_NI has {x_NI.shape[0]}")
-    return _Fp8GroupedMM.apply(x_NI, w_eIO, bias_eO, counts, recipe, activation)
+    return _Fp8GroupedMM.apply(x_NI, w_eIO, bias_eO, counts, recipe, activation, counts_e if triton else None)

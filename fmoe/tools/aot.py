@@ -45,6 +45,7 @@ except ImportError as err:
     create_function_from_signature = None
     COMPILER_IMPORT_ERROR = err
 
+from fmoe.kernels import triton_fp8
 from fmoe.kernels import triton_grouped_mm as gmm
 from fmoe.kernels import triton_grouped_mm_tma as tma
 from fmoe.kernels import triton_lean as lean
@@ -56,6 +57,9 @@ TARGETS = tuple(SHARED_LIMIT)
 # The dtypes checked: fp32 once with TF32 allowed, once without (exact, CUDA cores).
 DTYPES = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False),
           "fp32-tf32": (torch.float32, True), "fp32-ieee": (torch.float32, False)}
+# The FP8 recipes' kernels (fmoe.kernels.triton_fp8), compiled where the target has FP8 tensor cores (sm_89+).
+FP8_DTYPES = {"fp8-blockwise": "blockwise", "fp8-rowwise": "rowwise", "fp8-mxfp8": "mxfp8"}
+FP8_MIN_TARGET = 89
 # Mixtral-8x7B experts: tokens, model width, expert width, experts, top-k.
 SHAPE = dict(T=4096, D=4096, F=14336, E=8, K=2)
 INSTRUCTIONS = {"wgmma": "wgmma.mma_async", "mma.sync": "mma.sync", "cp.async": "cp.async.",
@@ -236,9 +240,9 @@ def _check_args(targets, dtypes):
     bad = [cc for cc in targets if cc not in SHARED_LIMIT]
     if bad:
         raise ValueError(f"targets must be compute capabilities among {TARGETS}, got {bad}")
-    bad = [name for name in dtypes if name not in DTYPES]
+    bad = [name for name in dtypes if name not in DTYPES and name not in FP8_DTYPES]
     if bad:
-        raise ValueError(f"dtypes must be among {sorted(DTYPES)}, got {bad}")
+        raise ValueError(f"dtypes must be among {sorted(DTYPES) + sorted(FP8_DTYPES)}, got {bad}")
     if COMPILER_IMPORT_ERROR is not None:
         raise ValueError(f"the AOT check needs the compiler internals of Triton 3.9 ({triton.__version__} here): "
                          f"{COMPILER_IMPORT_ERROR}")
@@ -246,7 +250,7 @@ def _check_args(targets, dtypes):
         raise ValueError("the AOT check compiles for GPUs: unset TRITON_INTERPRET (it makes triton.jit interpret)")
 
 
-def report(targets=(80, 90), dtypes=tuple(DTYPES), jobs: int = 1) -> list:
+def report(targets=(80, 90), dtypes=tuple(DTYPES) + tuple(FP8_DTYPES), jobs: int = 1) -> list:
     """One dict per (target, dtype, kernel launch, config): what compiling it for that GPU gives.
 
     Keys: target (sm_XX), dtype, kernel (the launch's name), config (BLOCK_* / warps / stages;
@@ -263,7 +267,26 @@ def report(targets=(80, 90), dtypes=tuple(DTYPES), jobs: int = 1) -> list:
     return [row for pair in pairs for row in _report_pair(*pair)]
 
 
+def _report_fp8(cc: int, dtype_name: str) -> list:
+    """The FP8 recipe's launches (its pinned config) on a target with FP8 tensor cores; none below sm_89."""
+    if cc < FP8_MIN_TARGET:
+        return []
+    backend = make_backend(GPUTarget("cuda", cc, 32))
+    rows = []
+    for name, kernel, args, constexprs, config in triton_fp8.aot_launches(FP8_DTYPES[dtype_name], SHAPE):
+        options = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+        src, parsed = _source(kernel, args, constexprs, options, backend)
+        row = {"target": f"sm_{cc}", "dtype": dtype_name, "kernel": name,
+               "config": {**config.kwargs, "warps": parsed.num_warps, "stages": parsed.num_stages},
+               "pinned": True, "shared_limit": SHARED_LIMIT[cc]}
+        row.update(_cached_compile(src, cc, {"num_warps": parsed.num_warps, "num_stages": parsed.num_stages}))
+        rows.append(row)
+    return rows
+
+
 def _report_pair(cc: int, dtype_name: str) -> list:
+    if dtype_name in FP8_DTYPES:
+        return _report_fp8(cc, dtype_name)
     backend = make_backend(GPUTarget("cuda", cc, 32))
     generation = gmm.generation_of(cc // 10)
     dtype, tf32 = DTYPES[dtype_name]
@@ -371,7 +394,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the report (JSON) here; default: print the table only")
     p.add_argument("--targets", default="80,90",
                    help=f"compute capabilities, comma-separated, among {TARGETS} (default: %(default)s)")
-    p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated (default: %(default)s)")
+    p.add_argument("--dtypes", default=",".join([*DTYPES, *FP8_DTYPES]), help="comma-separated (default: %(default)s)")
     p.add_argument("--jobs", type=int, default=1,
                    help="processes compiling (target, dtype) pairs side by side (default: %(default)s)")
     args = p.parse_args(argv)

@@ -1,0 +1,158 @@
+"""Triton grouped GEMM on FP8 operands with their block scales (#49): y = q(a) @ q(b[e]) per expert segment.
+
+`a` [N, K] and `b` [E, K, O] arrive quantised as `fmoe.kernels.fp8` quantises them (e4m3 data, one fp32
+scale per block, blocks along K, the dimension the GEMM reduces over). Each program computes one
+[BLOCK_M, BLOCK_N] tile of one expert, walking K in BLOCK_K steps: the FP8 tensor cores multiply the
+e4m3 tiles into an fp32 partial product, and the partial is scaled by its row's activation scale and
+its column's weight scale before it joins the fp32 accumulator (DeepSeek-V3's promotion: the scales
+change every 128 along K, so each 128-wide slice is scaled on its own). Where both operands have one
+scale along the whole of K (the rowwise recipe), the scales are applied once, after the loop.
+
+BLOCK_K divides the recipe's block along K (128 for blockwise, 32 for MXFP8), so a slice never spans
+two scales. Rows are tiled as in `triton_grouped_mm` (the tile's expert worked out in the kernel from
+the counts; no host sync, no padding). The forward (a = x, b = w) and the input gradient (a = dy, b =
+w^T, through its strides) are this kernel; the weight gradient, whose scales run along the tokens,
+stays on the torch path for now.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from fmoe.kernels.triton_grouped_mm import _row_tile, _swizzle
+
+
+@triton.jit(do_not_specialize=["N", "E"])
+def _fp8_grouped_mm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, y_ptr, counts_ptr,
+    N, K, O, E,
+    stride_an, stride_ak, stride_asn, stride_ask,
+    stride_be, stride_bk, stride_bo, stride_bse, stride_bsk, stride_bso,
+    stride_yn, stride_yo,
+    A_TILE: tl.constexpr, B_TILE_K: tl.constexpr, B_TILE_O: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """y[r] = sum over K of a[r, k] * a_scale[r, k // A_TILE] * b[e, k, o] * b_scale[e, k // B_TILE_K, o // B_TILE_O]
+    for each row r of expert e's segment. A_TILE / B_TILE_K of 0: one scale along the whole of K."""
+    num_tiles_m = tl.cdiv(N, BLOCK_M) + E
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(O, BLOCK_N), GROUP_M)
+    e, rows, row_ok, live = _row_tile(counts_ptr, pid_m, N, E, E_POW2, BLOCK_M)
+    if not live:
+        return
+    e64 = e.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < O
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_an + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + e64 * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bo
+    a_scale_rows = a_scale_ptr + rows.to(tl.int64) * stride_asn
+    b_scale_cols = b_scale_ptr + e64 * stride_bse + (cols // B_TILE_O) * stride_bso
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_ok = ks < K - k
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if A_TILE == 0 and B_TILE_K == 0:
+            acc = tl.dot(a, b, acc)
+        else:
+            part = tl.dot(a, b)
+            if A_TILE != 0:
+                part *= tl.load(a_scale_rows + (k // A_TILE) * stride_ask, mask=row_ok, other=0.0)[:, None]
+            if B_TILE_K != 0:
+                part *= tl.load(b_scale_cols + (k // B_TILE_K) * stride_bsk, mask=col_ok, other=0.0)[None, :]
+            acc += part
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if A_TILE == 0:
+        acc *= tl.load(a_scale_rows, mask=row_ok, other=0.0)[:, None]
+    if B_TILE_K == 0:
+        acc *= tl.load(b_scale_cols, mask=col_ok, other=0.0)[None, :]
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_yn + cols[None, :] * stride_yo
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): BLOCK_K 128 (the blockwise recipe's slice: one scale
+# each), 32 for MXFP8's 32-wide blocks. e4m3 tiles are half bf16's bytes, so the deeper K tile fits.
+CONFIGS = {128: triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8,
+                              num_stages=3),
+           32: triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8,
+                             num_stages=4)}
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
+
+
+def tile_along_k(block_k, K: int) -> int:
+    """A recipe's block along K as the kernel's constexpr: 0 for one block over the whole of K (None, or a
+    block as long as K: the quantiser makes the whole dimension concrete)."""
+    return 0 if block_k is None or block_k >= K else int(block_k)
+
+
+def block_k_for(a_tile: int, b_tile_k: int) -> int:
+    """The K step: 128, or the smallest block along K when a recipe's is narrower (MXFP8's 32)."""
+    tiles = [t for t in (a_tile, b_tile_k) if t]
+    return min([128] + tiles)
+
+
+def fp8_grouped_mm_launch(a_q, a_scale, a_tile, b_q, b_scale, b_tile, counts_e, y_NO, interpreter: bool = False):
+    """(kernel, args, constexprs) of one launch: `a_q` [N, K] e4m3 with `a_scale` [N, K / a_tile] fp32,
+    `b_q` [E, K, O] e4m3 (any strides) with `b_scale` [E, K / b_tile[0], O / b_tile[1]] fp32, into y_NO."""
+    N, K = a_q.shape
+    O = b_q.shape[-1]
+    E = counts_e.shape[0]
+    A_TILE, B_TILE_K, B_TILE_O = tile_along_k(a_tile, K), tile_along_k(b_tile[0], K), int(b_tile[1])
+    for name, tile in (("a_tile", A_TILE), ("b_tile[0]", B_TILE_K)):
+        if tile and (tile & (tile - 1) or tile < 16):
+            raise ValueError(f"fp8_grouped_mm_launch: {name}={tile} must be a power of two >= 16 (or the whole of K)")
+    args = (a_q, a_scale, b_q, b_scale, y_NO, counts_e, N, K, O, E,
+            *a_q.stride(), *a_scale.stride(), *b_q.stride(), *b_scale.stride(), *y_NO.stride())
+    step = block_k_for(A_TILE, B_TILE_K)
+    config = dict(INTERPRETER_CONFIG, BLOCK_K=min(step, 32)) if interpreter else dict(CONFIGS[step].kwargs)
+    constexprs = dict(A_TILE=A_TILE, B_TILE_K=B_TILE_K, B_TILE_O=B_TILE_O,
+                      E_POW2=triton.next_power_of_2(max(E, 1)), **config)
+    options = {} if interpreter else {"num_warps": CONFIGS[step].num_warps, "num_stages": CONFIGS[step].num_stages}
+    return _fp8_grouped_mm_kernel, args, constexprs, options
+
+
+def fp8_grouped_mm_rows(a_q, a_scale, a_tile, b_q, b_scale, b_tile, counts_e, out_dtype=torch.float32):
+    """y [N, O] = per expert segment, q(a) @ q(b[e]) with the scales applied in the fp32 accumulator; rows past
+    the segments are 0. Scales in e8m0 (MXFP8) are read as the fp32 powers of two they are."""
+    from fmoe.kernels.triton_grouped_mm import interpreting
+    N, O = a_q.shape[0], b_q.shape[-1]
+    y_NO = torch.zeros(N, O, dtype=out_dtype, device=a_q.device)
+    if N == 0 or O == 0:
+        return y_NO
+    kernel, args, constexprs, options = fp8_grouped_mm_launch(
+        a_q, a_scale.float(), a_tile, b_q, b_scale.float(), b_tile, counts_e, y_NO, interpreter=interpreting())
+    num_m = triton.cdiv(N, constexprs["BLOCK_M"]) + counts_e.shape[0]
+    grid = (num_m * triton.cdiv(O, constexprs["BLOCK_N"]),)
+    kernel[grid](*args, **constexprs, **options)
+    return y_NO
+
+
+def aot_launches(recipe: str, shape: dict, device: str = "meta"):
+    """(name, kernel, args, constexprs, config) of the FP8 launches a layer makes with `recipe` at `shape`
+    (T, D, F, E, K: tokens, widths, experts, top-k), on `device` tensors, for `fmoe.tools.aot`: the up
+    projection's forward ([N, D] @ [E, D, F]) and its input gradient ([N, F] @ w^T, read through strides)."""
+    from fmoe.kernels import fp8
+    T, D, F, E, K = (shape[k] for k in ("T", "D", "F", "E", "K"))
+    N = T * K
+    a_tile = fp8.ACTIVATION_TILE[recipe]
+    b_tile = fp8.WEIGHT_BLOCK[recipe]
+
+    def empty(*size, dt=torch.float32):
+        return torch.empty(*size, dtype=dt, device=device)
+
+    def scales(rows, cols, block):
+        br, bc = (rows if block[0] is None else block[0]), (cols if block[1] is None else block[1])
+        return triton.cdiv(rows, br), triton.cdiv(cols, bc)
+
+    counts_e = empty(E, dt=torch.int64)
+    e4m3 = torch.float8_e4m3fn
+    out = []
+    for name, (k_dim, o_dim, transposed) in (("fp8_grouped_mm", (D, F, False)), ("fp8_grouped_mm[w^T]", (F, D, True))):
+        a_q, a_scale = empty(N, k_dim, dt=e4m3), empty(N, *scales(1, k_dim, (1, a_tile))[1:])
+        w = empty(E, o_dim, k_dim, dt=e4m3).transpose(1, 2) if transposed else empty(E, k_dim, o_dim, dt=e4m3)
+        w_scale = empty(E, *scales(k_dim, o_dim, b_tile))
+        kernel, args, constexprs, options = fp8_grouped_mm_launch(a_q, a_scale, a_tile, w, w_scale, b_tile, counts_e,
+                                                                  empty(N, o_dim, dt=torch.bfloat16))
+        blocks = {k: constexprs.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+        out.append((name, kernel, args, constexprs, triton.Config(blocks, **options)))
+    return out
