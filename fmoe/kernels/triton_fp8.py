@@ -127,15 +127,13 @@ def fp8_grouped_mm_rows(a_q, a_scale, a_tile, b_q, b_scale, b_tile, counts_e, ou
     return y_NO
 
 
-def aot_launches(recipe: str, shape: dict, device: str = "meta"):
-    """(name, kernel, args, constexprs, config) of the FP8 launches a layer makes with `recipe` at `shape`
+def aot_launches(a_tile, b_tile, shape: dict, device: str = "meta"):
+    """(name, kernel, args, constexprs, config) of the FP8 launches a layer makes with a recipe's activation
+    tile `a_tile` and weight block `b_tile` (`fmoe.kernels.fp8.ACTIVATION_TILE` / `WEIGHT_BLOCK`) at `shape`
     (T, D, F, E, K: tokens, widths, experts, top-k), on `device` tensors, for `fmoe.tools.aot`: the up
     projection's forward ([N, D] @ [E, D, F]) and its input gradient ([N, F] @ w^T, read through strides)."""
-    from fmoe.kernels import fp8
     T, D, F, E, K = (shape[k] for k in ("T", "D", "F", "E", "K"))
     N = T * K
-    a_tile = fp8.ACTIVATION_TILE[recipe]
-    b_tile = fp8.WEIGHT_BLOCK[recipe]
 
     def empty(*size, dt=torch.float32):
         return torch.empty(*size, dtype=dt, device=device)

@@ -45,7 +45,7 @@ except ImportError as err:
     create_function_from_signature = None
     COMPILER_IMPORT_ERROR = err
 
-from fmoe.kernels import triton_fp8
+from fmoe.kernels import fp8, triton_fp8
 from fmoe.kernels import triton_grouped_mm as gmm
 from fmoe.kernels import triton_grouped_mm_tma as tma
 from fmoe.kernels import triton_lean as lean
@@ -273,7 +273,9 @@ def _report_fp8(cc: int, dtype_name: str) -> list:
         return []
     backend = make_backend(GPUTarget("cuda", cc, 32))
     rows = []
-    for name, kernel, args, constexprs, config in triton_fp8.aot_launches(FP8_DTYPES[dtype_name], SHAPE):
+    recipe = FP8_DTYPES[dtype_name]
+    for name, kernel, args, constexprs, config in triton_fp8.aot_launches(fp8.ACTIVATION_TILE[recipe],
+                                                                          fp8.WEIGHT_BLOCK[recipe], SHAPE):
         options = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
         src, parsed = _source(kernel, args, constexprs, options, backend)
         row = {"target": f"sm_{cc}", "dtype": dtype_name, "kernel": name,
