@@ -7,6 +7,7 @@
     python benchmarks/gpu_check.py aot_vs_real --out PATH [--quick]    # registers / spills loaded vs the AOT report
     python benchmarks/gpu_check.py tma --out PATH [--quick]            # FMOE_TRITON_TMA=1 against the default
     python benchmarks/gpu_check.py versus_hf --out PATH [--quick]      # the layer beside transformers' block
+    python benchmarks/gpu_check.py fp8 --out PATH [--quick]            # FP8 recipes against bf16, Qwen3-30B-A3B
     python benchmarks/gpu_check.py failed --out PATH --step S --rc N --log FILE   # a step that did not finish
     python benchmarks/gpu_check.py summary --out PATH                  # the headline figures (exit 1: a step failed)
 
@@ -198,7 +199,63 @@ def versus_hf_summary(doc: dict) -> dict:
     return out
 
 
-STEPS = {"memory": memory, "aot_vs_real": aot_vs_real, "tma": tma_check, "versus_hf": versus_hf}
+# FP8 against bf16 at Qwen3-30B-A3B's layer (d_model, d_hidden, experts, top-k; SwiGLU), 4096 tokens.
+FP8_SHAPE = ("qwen3-30b-a3b", 2048, 768, 128, 8)
+FP8_TOKENS = 4096
+QUICK_FP8_SHAPE = ("tiny", 32, 32, 4, 2)
+
+
+def fp8(quick: bool) -> dict:
+    """The layer forward + backward in bf16 and with each FP8 recipe at Qwen3-30B-A3B's shape: ms, TFLOP/s
+    of the expert GEMMs (6 x tokens x top-k x d_model x 3 d_hidden: forward, dgrad, wgrad), peak memory, and
+    the relative error of the output against bf16. The FP8 GEMMs are fmoe's torch emulation until its FP8
+    kernels land (`fmoe.kernels.fp8`): the figures say what the emulation costs, not what FP8 cores give."""
+    import fmoe
+    from fmoe.kernels.fp8 import RECIPES
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    name, D, F, E, K = QUICK_FP8_SHAPE if quick else FP8_SHAPE
+    T = 64 if quick else FP8_TOKENS
+
+    def bench(fn, reps=3):          # the emulation loops over the experts: a few calls, not do_bench's hundreds
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3 / reps
+    flops = 6 * T * K * D * 3 * F
+    rows, ref = {}, None
+    for recipe in (None, *RECIPES):
+        torch.manual_seed(0)
+        layer = fmoe.FMoETransformerMLP(num_expert=E, d_model=D, d_hidden=F, top_k=K, activation="swiglu",
+                                        gate="naive", fp8=recipe).to(device, dtype)
+        x = torch.randn(T, D, device=device, dtype=dtype, requires_grad=True)
+
+        def step():
+            layer(x).float().sum().backward()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        ms = bench(step)
+        with torch.no_grad():
+            y = layer(x).float()
+        ref = y if ref is None else ref
+        rows[recipe or "bf16"] = {
+            "ms": round(ms, 3), "tflops": float(f"{flops / (ms * 1e-3) / 1e12:.4g}"),
+            "peak_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1) if device == "cuda" else None,
+            "relative_error_vs_bf16": round(((y - ref).norm() / ref.norm()).item(), 5)}
+        del layer, x
+    base = rows["bf16"]["ms"]
+    for row in rows.values():
+        row["speed_vs_bf16"] = round(base / row["ms"], 3)
+    return {"shape": {"name": name, "d_model": D, "d_hidden": F, "experts": E, "top_k": K, "tokens": T},
+            "fp8_gemms": "torch emulation (dequantised, fp32 products)", "rows": rows}
+
+
+STEPS = {"memory": memory, "aot_vs_real": aot_vs_real, "tma": tma_check, "versus_hf": versus_hf, "fp8": fp8}
 
 
 def main(argv=None) -> int:

@@ -10,6 +10,8 @@
 #   checks.versus_hf    the layer in each recompute mode beside transformers' Qwen3-MoE block with grouped_mm
 #                       experts and with fmoe experts (same weights), autotuned: TFLOP/s, peak memory,
 #                       first-call seconds, a profile of the default (GEMM share, top other kernels)
+#   checks.fp8          the layer in bf16 and with each FP8 recipe at Qwen3-30B-A3B's shape: ms, TFLOP/s, peak
+#                       memory, error against bf16 (the FP8 GEMMs are the torch emulation for now)
 #   grouped_mm, fused_gather, layer   the kernel benchmark (benchmarks/bench_kernels.py): TFLOP/s at the
 #                       Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 expert shapes beside torch._grouped_mm
 #                       and a dense cuBLAS FFN of the same FLOPs
@@ -78,6 +80,7 @@ autotune=${GPU_CHECK_AUTOTUNE:-0}
 FMOE_TRITON_AUTOTUNE=1 step versus_hf 100 $PY benchmarks/gpu_check.py versus_hf --out "$out" ${quick[@]+"${quick[@]}"}
 FMOE_TRITON_AUTOTUNE=$autotune step tma 30 $PY benchmarks/gpu_check.py tma --out "$out" ${quick[@]+"${quick[@]}"}
 FMOE_TRITON_AUTOTUNE=$autotune step bench 120 $PY benchmarks/bench_kernels.py --merge --out "$out" --sections layer,grouped_mm ${quick[@]+"${quick[@]}"}
+step fp8 30 $PY benchmarks/gpu_check.py fp8 --out "$out" ${quick[@]+"${quick[@]}"}
 # Last: the benchmark has compiled most of these kernels (pinned configs; the same specialisation).
 step aot_vs_real 35 $PY benchmarks/gpu_check.py aot_vs_real --out "$out" --seconds 30 ${quick[@]+"${quick[@]}"}
 $PY benchmarks/gpu_check.py summary --out "$out"

@@ -360,3 +360,78 @@ def test_fp8_expert_parallel_bytes_are_at_most_0_8_of_bf16(tmp_path):
     # path sends the combine and its gradient in fp32 (its weighted rows are summed once, in fp32); fp8
     # sends 1 byte and a scale out, 2 bytes back: at most (1 + 4/128 + 2) * 2 / (2 * 2 + 4 * 2) of it
     assert sent["blockwise"] <= (1 + 4 / 128 + 2) * 2 / 12 * sent["None"] * 1.05, sent
+
+
+def test_fp8_fmoe_train_runs_each_recipe_and_resumes_without_it(tmp_path):
+    """`fmoe train --fp8 RECIPE`: the layers' experts run that recipe, the loss is finite and near the
+    unquantised run's; the checkpoint holds no FP8 state, so the run resumes without --fp8."""
+    import json
+
+    from fmoe.app.cli import main
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(200)))
+    tiny = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--num-expert", "4",
+            "--d-hidden", "64", "--batch-size", "4", "--data", str(corpus), "--no-progress", "--log", "none"]
+    losses = {}
+    for recipe in (None, "blockwise", "rowwise", "mxfp8"):
+        out = tmp_path / str(recipe)
+        assert main(["train", *tiny, "--steps", "3", "--out", str(out)] + (["--fp8", recipe] if recipe else [])) == 0
+        losses[recipe] = json.loads((out / "history.json").read_text())["loss"]
+    for recipe in ("blockwise", "rowwise", "mxfp8"):
+        assert all(abs(a - b) < 0.05 * b for a, b in zip(losses[recipe], losses[None])), (recipe, losses)
+    assert main(["train", *tiny, "--steps", "4", "--out", str(tmp_path / "rowwise"), "--resume"]) == 0
+    assert json.loads((tmp_path / "rowwise" / "history.json").read_text())["step"][-1] == 4
+
+
+def test_fp8_fmoe_train_builds_the_layers_with_the_recipe_and_refuses_a_bad_one():
+    from fmoe.app.gpt import GPT, GPTConfig
+    from fmoe.app.runtime import TrainConfig
+    model = GPT(GPTConfig(d_model=32, n_layer=2, n_head=2, seq_len=16, num_expert=4, d_hidden=64), fp8="mxfp8")
+    assert [layer.experts.fp8 for layer in model.moe_layers()] == ["mxfp8", "mxfp8"]
+    with pytest.raises(ValueError, match="--fp8 must be one of blockwise, rowwise, mxfp8"):
+        TrainConfig(fp8="e5m2")
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_fp8_triton_kernel_equals_the_emulation(recipe):
+    """Triton's FP8 grouped GEMM (the interpreter here) against the torch emulation, forward (x @ w) and input
+    gradient (dy @ w^T through w's strides): partial blocks along K, an empty expert, rows past the segments."""
+    from fmoe.kernels.triton_fp8 import fp8_grouped_mm_rows
+    torch.manual_seed(0)
+    N, K, O = 37, 200, 72
+    counts = torch.tensor([10, 0, 20, 5])
+    a, w, dy = torch.randn(N, K), torch.randn(4, K, O) * 0.1, torch.randn(N, O)
+    qa, qw = fp8.quantise_activation(a, recipe), fp8.quantise_weight(w, recipe)
+    y = fp8_grouped_mm_rows(qa.data, qa.scale, qa.block[1], qw.data, qw.scale, qw.block, counts)
+    want = fp8.forward_product(a, w, counts.tolist(), recipe)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    assert y[35:].abs().max() == 0
+    dx = fp8.input_gradient(dy, w, counts.tolist(), recipe, counts_e=counts)
+    torch.testing.assert_close(dx, fp8.input_gradient(dy, w, counts.tolist(), recipe), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_fp8_experts_on_triton_equal_the_emulation(recipe):
+    """GroupedExperts(fp8=..., backend="triton"): output and every gradient equal the torch backend's."""
+    torch.manual_seed(0)
+    ref = GroupedExperts(3, 40, 24, "swiglu", fp8=recipe, backend="torch")
+    got = GroupedExperts(3, 40, 24, "swiglu", fp8=recipe, backend="triton")
+    got.load_state_dict(ref.state_dict())
+    counts = torch.tensor([4, 0, 5])
+    x = torch.randn(11, 40)
+    outs = []
+    for layer in (ref, got):
+        x_ = x.clone().requires_grad_()
+        y = layer(x_, counts)
+        y.backward(torch.ones_like(y))
+        outs.append((y, x_.grad, layer.w1_eDF.grad, layer.w2_eFD.grad))
+    for want, have in zip(*outs):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_refuses_a_gpu_without_fp8_tensor_cores():
+    from fmoe.kernels import check_fp8_tensor_cores
+    with pytest.raises(ValueError, match=r"sm_80\) has no FP8 tensor cores.*FMOE_BACKEND=torch"):
+        check_fp8_tensor_cores((8, 0), "blockwise")
+    check_fp8_tensor_cores((8, 9), "blockwise")
+    check_fp8_tensor_cores((9, 0), "rowwise")

@@ -25,7 +25,7 @@ def test_dry_run_writes_every_section_and_the_summary(tmp_path):
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert set(doc["checks"]) == {"memory", "aot_vs_real", "tma", "versus_hf"}, doc["checks"]
+    assert set(doc["checks"]) == {"memory", "aot_vs_real", "tma", "versus_hf", "fp8"}, doc["checks"]
     assert not [k for k, v in doc["checks"].items() if "error" in v], doc["checks"]
     modes = doc["checks"]["memory"]["modes"]
     assert set(modes) == {"activation", "experts", "none"}
@@ -44,6 +44,10 @@ def test_dry_run_writes_every_section_and_the_summary(tmp_path):
     for row in doc["layer"] + doc["grouped_mm"] + doc["checks"]["tma"]["grouped_mm"]:
         assert row["max_rel_err"] < 2e-2 and row["tma_max_rel_err"] < 2e-2, row["shape"]
     assert doc["triton_autotune"] is False     # gpu_check.sh pins each kernel's config
+    fp8 = doc["checks"]["fp8"]["rows"]
+    assert set(fp8) == {"bf16", "blockwise", "rowwise", "mxfp8"}
+    assert all(row["ms"] > 0 and row["tflops"] > 0 for row in fp8.values())
+    assert fp8["bf16"]["relative_error_vs_bf16"] == 0 and 0 < fp8["blockwise"]["relative_error_vs_bf16"] < 0.1
 
 
 def test_a_failed_step_is_recorded_and_the_rest_still_summed(tmp_path):

@@ -54,6 +54,9 @@ def add_train_args(p: argparse.ArgumentParser):
     g.add_argument("--keep", type=int, default=run.keep, metavar="N",
                    help="checkpoints kept: the newest and N - 1 before it (default: %(default)s)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (the MoE layers trace whole)")
+    g.add_argument("--fp8", choices=("blockwise", "rowwise", "mxfp8"), default=None,
+                   help="the experts' GEMMs with FP8 operands in this recipe (docs/fp8.md); the weights, optimizer "
+                        "and checkpoints stay as they are, so a run resumes with or without it (default: off)")
     g.add_argument("--keep-freed-memory", action="store_true",
                    help="CPU: glibc's malloc keeps freed blocks for the next step instead of mapping them afresh "
                         "(fewer page faults; the process keeps its peak memory; see fmoe.observe.cpu_memory)")
@@ -175,7 +178,7 @@ def flag(name: str) -> str:
 
 
 # The GPT's options, which an --hf-model run (its model from the checkpoint, no checkpoints of its own) refuses.
-NOT_HF_OPTIONS = ("d_model", "layers", "heads", "num_expert", "top_k", "gate", "d_hidden", "aux_coef", "compile",
+NOT_HF_OPTIONS = ("d_model", "layers", "heads", "num_expert", "top_k", "gate", "d_hidden", "aux_coef", "compile", "fp8",
                   "resume", "resume_from", "save_every", "keep")
 
 
@@ -223,7 +226,7 @@ def run_train(args):
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
                       data=args.data, out=args.out, resume=args.resume, ep_size=args.ep_size,
                       save_every=args.save_every, keep=args.keep, resume_from=args.resume_from,
-                      compile=args.compile, log=args.log, overlap=args.overlap,
+                      compile=args.compile, log=args.log, overlap=args.overlap, fp8=args.fp8,
                       model_flags={field: flag(name) for name, field in MODEL_OPTIONS.items() if field in given})
     if args.hf_model is None:       # sizes that cannot fit: one line here, not an allocation's traceback
         check_training_fits(model_cfg, resolve_device(args.device), args.ep_size, cfg.model_flags)

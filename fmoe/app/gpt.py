@@ -97,14 +97,14 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """Pre-norm: x + attn(ln(x)), then x + moe(ln(x))."""
 
-    def __init__(self, cfg: GPTConfig, ep_size: int = 1, moe_group=None):
+    def __init__(self, cfg: GPTConfig, ep_size: int = 1, moe_group=None, fp8=None):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.moe = FMoETransformerMLP(num_expert=cfg.num_expert // ep_size, d_model=cfg.d_model,
                                       d_hidden=cfg.d_hidden, top_k=cfg.top_k, gate=cfg.gate, world_size=ep_size,
-                                      moe_group=moe_group)
+                                      moe_group=moe_group, fp8=fp8)
 
     def forward(self, x_BTD):
         x_BTD = x_BTD + self.attn(self.ln1(x_BTD))
@@ -113,16 +113,17 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """`cfg.num_expert` experts per layer in all; with `ep_size` > 1 they are spread over the ranks
-    of `moe_group` (torch.distributed must be initialised)."""
+    of `moe_group` (torch.distributed must be initialised). `fp8`: the experts' GEMMs in that FP8 recipe
+    (`fmoe.kernels.fp8`; None: off); it changes no parameter, so it is a run's choice, not the model's."""
 
-    def __init__(self, cfg: GPTConfig, ep_size: int = 1, moe_group=None):
+    def __init__(self, cfg: GPTConfig, ep_size: int = 1, moe_group=None, fp8=None):
         super().__init__()
         if cfg.num_expert % ep_size:
             raise ValueError(f"num_expert ({cfg.num_expert}) must be divisible by the expert-parallel size {ep_size}")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, ep_size, moe_group) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, ep_size, moe_group, fp8) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight

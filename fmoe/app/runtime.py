@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from fmoe.distributed.groups import make_groups
 from fmoe.distributed.timeout import collective_timeout
+from fmoe.kernels.fp8 import RECIPES as FP8_RECIPES
 from fmoe.observe.dashboards import parse_log
 
 
@@ -39,6 +40,9 @@ class TrainConfig:
     # Each step's batch as two micro-batches interleaved (fmoe.interleave_micro_batches): one's exchanges
     # travel while the other computes
     overlap: bool = False
+    # The experts' GEMMs in this FP8 recipe (fmoe.kernels.fp8.RECIPES; None: off). No FP8 state is saved: a
+    # run resumes with or without it.
+    fp8: Optional[str] = None
     # The model options the user gave (GPTConfig field -> its flag): a resumed run refuses one that
     # differs from the checkpoint's; the others take the checkpoint's values.
     model_flags: Dict[str, str] = field(default_factory=dict)
@@ -58,6 +62,8 @@ class TrainConfig:
         if self.overlap and self.batch_size % 2:
             raise ValueError(f"--overlap runs each batch as two micro-batches of half of it: --batch-size must be "
                              f"even, got {self.batch_size}")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"--fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
         if self.resume_from is not None:
             self.resume = True
         parse_log(self.log)

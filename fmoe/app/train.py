@@ -118,7 +118,7 @@ class Trainer:
         check_training_fits(model_cfg, self.device, cfg.ep_size, cfg.model_flags)     # a resumed config too
         torch.manual_seed(cfg.seed)
         if self.groups:
-            self.model = GPT(model_cfg, self.groups.ep_size, self.groups.moe_group)
+            self.model = GPT(model_cfg, self.groups.ep_size, self.groups.moe_group, fp8=cfg.fp8)
             # Experts on different ranks are different experts: each expert-parallel rank draws its own.
             torch.manual_seed(cfg.seed + 1 + dist.get_rank(self.groups.moe_group))
             for layer in self.model.moe_layers():
@@ -126,7 +126,7 @@ class Trainer:
             self.model.to(self.device)
             self.synced = DistributedGroupedDataParallel(self.model, groups=self.groups)
         else:
-            self.model = GPT(model_cfg).to(self.device)
+            self.model = GPT(model_cfg, fp8=cfg.fp8).to(self.device)
         if cfg.compile:
             self.model.compile()
         self.optimizer = make_optimizer(self.model, cfg)
