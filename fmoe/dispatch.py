@@ -153,6 +153,11 @@ class Exchange(OneRank):
         forced = self.bound is not None and not torch.compiler.is_compiling()
         return kernels.forced_sync_free() if forced else contextlib.nullcontext()
 
+    @property
+    def fp8_rows(self):
+        """The FP8 recipe the rows to the experts travel in (the experts' `fp8=`), None: their dtype."""
+        return getattr(self.layer.experts, "fp8", None)
+
     def check_input(self, x):
         """Shadowing and the smart schedule run the experts on one tensor of rows, through their own forward."""
         if (self.shadowing is not None or self.schedule_group_size is not None) and not isinstance(x, torch.Tensor):
@@ -179,11 +184,6 @@ class SlotExchange(Exchange):
             return kernels.sum_rows(y_ND, plan, backend).to(autocast_dtype(x) or x.dtype)
         y_ND = self.layer.experts_call.checked(self.run_rows(x_ND, plan, alongside))
         return tree_map(lambda t: kernels.unpermute(t, plan, weight_TK, backend), y_ND)
-
-    @property
-    def fp8_rows(self):
-        """The FP8 recipe the rows to the experts travel in (the experts' `fp8=`), None: their dtype."""
-        return getattr(self.layer.experts, "fp8", None)
 
     def pipelining(self, x_ND) -> bool:
         """overlap="pipeline" chunks this exchange: eager (traced, the exchange runs as "shared"), one
@@ -240,7 +240,8 @@ class DedupExchange(Exchange):
         with self.sync_free():
             y_TD = dedup.run_hop(plan.dedup, x, weight_TK, lambda x_QD, local, w_QK: call.tokens(x_QD, local, w_QK,
                                                                                                    run_here),
-                                 self.layer.backend, schedule, self.meanwhile(alongside))
+                                 self.layer.backend, schedule, self.meanwhile(alongside),
+                                 None if scheduled else self.fp8_rows)
         if pull is None:
             return y_TD
         return y_TD + call.tokens(x, plan.home, weight_TK, lambda x_SD, counts_S: pull.forward(x_SD))

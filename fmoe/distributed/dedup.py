@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map
 from fmoe import kernels
 from fmoe.distributed import link
 from fmoe.distributed.exchange import AllToAll, InFlight, functional_group, row_bytes, start_all_to_all
+from fmoe.distributed.fp8_exchange import FP8GradSendBack, FP8Send
 from fmoe.routing import Hop, RoutingPlan
 
 
@@ -51,26 +52,36 @@ def start_send(hop: Hop, x, what: str, kind: str) -> InFlight:
         hop.send_splits_W, hop.recv_splits_W, row_bytes(x), dist.get_rank(hop.group))))
 
 
-def send(hop: Hop, x, what: str, kind: str):
-    """x's rows out along the hop (its rows back, in the backward)."""
+def send(hop: Hop, x, what: str, kind: str, fp8: Optional[str] = None):
+    """x's rows out along the hop (its rows back, in the backward); with an `fp8` recipe the rows go out as
+    e4m3 and scales (`fmoe.distributed.fp8_exchange`), their gradients come back in their dtype."""
     if hop.bound is None:
+        if fp8 is not None:
+            return FP8Send.apply(x, hop.send_splits_W, hop.recv_splits_W, hop.group, hop.traffic, what, kind, fp8)
         return AllToAll.apply(x, hop.send_splits_W, hop.recv_splits_W, hop.group, what, hop.traffic, kind)
     return start_send(hop, x, what, kind).wait()
 
 
-def send_back(hop: Hop, y, what: str):
-    """The rows that came along the hop back to where they came from."""
-    return send(hop, y, what, "combine") if hop.bound is not None else \
-        AllToAll.apply(y, hop.recv_splits_W, hop.send_splits_W, hop.group, what, hop.traffic, "combine")
+def send_back(hop: Hop, y, what: str, fp8: Optional[str] = None):
+    """The rows that came along the hop back to where they came from (with `fp8`, their gradients go out as FP8)."""
+    if hop.bound is not None:
+        return send(hop, y, what, "combine")
+    if fp8 is not None:
+        return FP8GradSendBack.apply(y, hop.recv_splits_W, hop.send_splits_W, hop.group, hop.traffic, what, "combine",
+                                     fp8)
+    return AllToAll.apply(y, hop.recv_splits_W, hop.send_splits_W, hop.group, what, hop.traffic, "combine")
 
 
 def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend: Optional[str] = None,
-            schedule: Optional[tuple] = None, meanwhile: Optional[Callable[[], None]] = None):
+            schedule: Optional[tuple] = None, meanwhile: Optional[Callable[[], None]] = None,
+            fp8: Optional[str] = None):
     """sum over destinations of the weighted expert outputs for the tokens x_TD (a tensor or a tree
     of them sharing the rows): the rows travel out, `experts(x_QD, local_plan, weight_QK)` runs on
     the last hop's received rows, its output travels back. `schedule`: (group size, the experts'
     parameters) to pipeline a one-hop exchange as FasterMoE's smart schedule does. `meanwhile()` runs
-    while the first hop's rows travel (their exchange started, not yet waited for)."""
+    while the first hop's rows travel (their exchange started, not yet waited for). `fp8`: the rows out
+    and their output gradients out travel as FP8 in this recipe, on every hop (in line: `meanwhile`
+    runs first)."""
     if schedule is not None:
         return scheduled_hop(hop, x_TD, weight_TK, experts, backend, *schedule)
     what = f"{hop.layer}: deduplicated"
@@ -82,7 +93,12 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
     else:
         x_ND = tree_map(lambda t: kernels.permute(t, hop.pairs, backend), x_TD)
         w_NK = weight_TK.index_select(0, hop.pairs.token_N).masked_fill(~hop.slot_mask_NK, 0)
-    if meanwhile is None:
+    if fp8 is not None and isinstance(x_ND, torch.Tensor) and hop.bound is None:
+        if meanwhile is not None:
+            meanwhile()
+        x_QD = send(hop, x_ND, f"{what} dispatch", "dispatch", fp8)
+        w_QK = send(hop, w_NK, f"{what} weights", "routing")
+    elif meanwhile is None:
         x_QD = tree_map(lambda t: send(hop, t, f"{what} dispatch", "dispatch"), x_ND)
         w_QK = send(hop, w_NK, f"{what} weights", "routing")
     else:
@@ -91,10 +107,10 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
         meanwhile()
         x_QD, w_QK = tree_map(lambda sent: sent.wait(), rows), weights.wait()
     if hop.inner is not None:
-        y_QD = run_hop(hop.inner, x_QD, w_QK, experts, backend)
+        y_QD = run_hop(hop.inner, x_QD, w_QK, experts, backend, fp8=fp8)
     else:
         y_QD = experts(x_QD, hop.local, w_QK)
-    y_ND = tree_map(lambda t: send_back(hop, t, f"{what} combine"), y_QD)
+    y_ND = tree_map(lambda t: send_back(hop, t, f"{what} combine", fp8 if hop.bound is None else None), y_QD)
     if empty:           # no token: the rows only travel back (so their gradients' exchange runs too)
         return tree_map(lambda t: t[:0] * 0, y_ND)
     return tree_map(lambda t: kernels.sum_rows(t, hop.pairs, backend), y_ND)
