@@ -456,3 +456,24 @@ def test_fp8_refuses_a_gpu_without_fp8_tensor_cores():
         check_fp8_tensor_cores((8, 0), "blockwise")
     check_fp8_tensor_cores((8, 9), "blockwise")
     check_fp8_tensor_cores((9, 0), "rowwise")
+
+
+def test_fp8_compiled_equals_eager(recipe="blockwise"):
+    """torch.compile (aot_eager) of an fp8 layer: the output and x's gradient of eager. The FP8 GEMMs read the
+    counts on the host, so they run eagerly at a graph break (the same for every recipe); fullgraph=True
+    refuses them."""
+    torch.manual_seed(0)
+    layer = fmoe.FMoETransformerMLP(num_expert=4, d_model=32, d_hidden=64, top_k=2, fp8=recipe)
+    x = torch.randn(16, 32, requires_grad=True)
+    layer(x).sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    torch._dynamo.reset()
+    y = torch.compile(layer, backend="aot_eager")(x)
+    y.sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(y, layer(x), rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, want, rtol=0, atol=0)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="disable"):
+        torch.compile(layer, backend="aot_eager", fullgraph=True)(x)

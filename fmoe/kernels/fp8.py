@@ -244,6 +244,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
+@torch.compiler.disable     # reads the counts on the host: under torch.compile a graph break, run eagerly
 def fp8_grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor, recipe: str,
                    bias_eO: Optional[torch.Tensor] = None, activation: Optional[Callable] = None,
                    triton: bool = False) -> torch.Tensor:
