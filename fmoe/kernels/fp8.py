@@ -30,8 +30,8 @@ cuBLAS MXFP8 recipe does, where the OCP MX specification's default rounds down a
 
 The emulation dequantises both operands to fp32 and multiplies in fp32 expert by expert, which is
 what an FP8 tensor core computes up to the order of the fp32 sums. On Triton (a CUDA GPU with FP8
-tensor cores, or the interpreter) the forward and input-gradient products run `fmoe.kernels.triton_fp8`:
-e4m3 tiles into the tensor cores, the scales applied to each partial in the fp32 accumulator. The master weights keep their
+tensor cores, or the interpreter) the three products run `fmoe.kernels.triton_fp8`: e4m3 tiles into the
+tensor cores, the scales applied to each partial in the fp32 accumulator. The master weights keep their
 dtype (the optimiser never sees FP8) and nothing quantised is kept between steps: each GEMM
 quantises its operands from the tensors autograd saved (x, or the pre-activation).
 """
@@ -181,14 +181,42 @@ def input_gradient(dy_NO: torch.Tensor, w_eIO: torch.Tensor, counts: Sequence[in
     return _quantised_product(dy_NO, w_eIO.transpose(-1, -2), counts, recipe, counts_e)
 
 
-def weight_gradient(a_NI: torch.Tensor, dy_NO: torch.Tensor, counts: Sequence[int], recipe: str) -> torch.Tensor:
-    """fp32 q(a_seg^T) @ q(dy_seg) per expert, both in tiles along the segment's rows: [e, I, O]."""
+def weight_gradient(a_NI: torch.Tensor, dy_NO: torch.Tensor, counts: Sequence[int], recipe: str,
+                    counts_e: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 q(a_seg^T) @ q(dy_seg) per expert, both in tiles along the segment's rows: [e, I, O] (on Triton's
+    FP8 kernel given `counts_e`, the counts as a tensor on a's device)."""
+    if counts_e is not None:
+        return _weight_gradient_triton(a_NI, dy_NO, counts, recipe, counts_e)
     dw = a_NI.new_zeros(len(counts), a_NI.shape[1], dy_NO.shape[1], dtype=torch.float32)
     for e, lo, hi in _segments(counts):
         a_T = dequantise(quantise_activation(a_NI[lo:hi].t(), recipe, reduce_dim=1))
         dy = dequantise(quantise_activation(dy_NO[lo:hi], recipe, reduce_dim=0))
         dw[e] = a_T @ dy
     return dw
+
+
+def _weight_gradient_triton(a_NI, dy_NO, counts: Sequence[int], recipe: str, counts_e) -> torch.Tensor:
+    """`weight_gradient` on `fmoe.kernels.triton_fp8`: each segment quantised as the emulation quantises it,
+    the e4m3 rows laid in expert order and the scales in [E, I, S] / [E, S, O] (S: the most tiles a segment
+    has), then one kernel multiplies them."""
+    from fmoe.kernels.triton_fp8 import fp8_weight_grad
+    tile = ACTIVATION_TILE[check_fp8(recipe)]
+    N, I, O = a_NI.shape[0], a_NI.shape[1], dy_NO.shape[1]
+    longest = max(counts, default=0)
+    S = 1 if tile is None else max(1, -(-longest // tile))
+    a_q = torch.zeros(N, I, dtype=E4M3, device=a_NI.device)
+    dy_q = torch.zeros(N, O, dtype=E4M3, device=a_NI.device)
+    a_scale = torch.ones(len(counts), I, S, device=a_NI.device)
+    dy_scale = torch.ones(len(counts), S, O, device=a_NI.device)
+    for e, lo, hi in _segments(counts):
+        qa = quantise_activation(a_NI[lo:hi].t(), recipe, reduce_dim=1)     # [I, n], scales [I, tiles]
+        qd = quantise_activation(dy_NO[lo:hi], recipe, reduce_dim=0)        # [n, O], scales [tiles, O]
+        a_q[lo:hi] = qa.data.t()
+        dy_q[lo:hi] = qd.data
+        a_scale[e, :, :qa.scale.shape[1]] = qa.scale.float()
+        dy_scale[e, :qd.scale.shape[0]] = qd.scale.float()
+    # A tile as long as the segment (rowwise) is one scale over it: the kernel's tile 0.
+    return fp8_weight_grad(a_q, a_scale, dy_q, dy_scale, 0 if tile is None else tile, counts_e)
 
 
 def _segment_sums(dy_NO: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
@@ -238,7 +266,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             da = input_gradient(dy_NO, w_eIO, counts, recipe, ctx.counts_e).to(a_NI.dtype)
             dx = da if h is None else torch.autograd.grad(a_NI, h, da)[0]
         if ctx.needs_input_grad[1]:
-            dw = weight_gradient(a_NI.detach(), dy_NO, counts, recipe).to(w_eIO.dtype)
+            dw = weight_gradient(a_NI.detach(), dy_NO, counts, recipe, ctx.counts_e).to(w_eIO.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _segment_sums(dy_NO, counts).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None, None
@@ -253,8 +281,8 @@ def fp8_grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tens
     activation is recomputed there). Forward, input gradient and weight gradient each quantise their
     operands with `recipe` along the dimension they reduce over (module docstring), multiply in fp32
     and add the bias in fp32; y is in x's dtype, the gradients in their tensors' dtypes. Rows past
-    the segments are 0. The counts are read on the host. `triton`: the forward and input-gradient
-    products on Triton's FP8 kernel (`fmoe.kernels.triton_fp8`), the weight gradient emulated.
+    the segments are 0. The counts are read on the host. `triton`: the three products on Triton's FP8
+    kernels (`fmoe.kernels.triton_fp8`), the quantisation in torch.
     """
     if recipe not in RECIPES:
         raise ValueError(f"fp8_grouped_mm: recipe must be one of {RECIPES}, got {recipe!r}")

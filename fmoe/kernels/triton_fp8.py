@@ -11,14 +11,15 @@ scale along the whole of K (the rowwise recipe), the scales are applied once, af
 BLOCK_K divides the recipe's block along K (128 for blockwise, 32 for MXFP8), so a slice never spans
 two scales. Rows are tiled as in `triton_grouped_mm` (the tile's expert worked out in the kernel from
 the counts; no host sync, no padding). The forward (a = x, b = w) and the input gradient (a = dy, b =
-w^T, through its strides) are this kernel; the weight gradient, whose scales run along the tokens,
-stays on the torch path for now.
+w^T, through its strides) are this kernel. The weight gradient is `_fp8_weight_grad_kernel`: its K is
+an expert's rows, and its scales run along them in tiles from the segment's start (per column of x
+and of dy), so one program walks one expert's segment.
 """
 import torch
 import triton
 import triton.language as tl
 
-from fmoe.kernels.triton_grouped_mm import _row_tile, _swizzle
+from fmoe.kernels.triton_grouped_mm import _expert_segment, _row_tile, _swizzle
 
 
 @triton.jit(do_not_specialize=["N", "E"])
@@ -127,11 +128,97 @@ def fp8_grouped_mm_rows(a_q, a_scale, a_tile, b_q, b_scale, b_tile, counts_e, ou
     return y_NO
 
 
+@triton.jit(do_not_specialize=["N", "E", "S"])
+def _fp8_weight_grad_kernel(
+    a_ptr, a_scale_ptr, dy_ptr, dy_scale_ptr, dw_ptr, counts_ptr,
+    N, I, O, E, S,
+    stride_an, stride_ai, stride_ase, stride_asi, stride_ass,
+    stride_dyn, stride_dyo, stride_dse, stride_dss, stride_dso,
+    stride_dwe, stride_dwi, stride_dwo,
+    TILE: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """dw[e] = sum over expert e's rows n of a[n, i] * a_scale[e, i, t] * dy[n, o] * dy_scale[e, t, o], t the
+    row's tile (TILE rows from the segment's start; TILE 0: one tile, the whole segment). One (I block,
+    O block) tile of one expert per program; BLOCK_K walks the segment's rows."""
+    e = tl.program_id(1)
+    pid_i, pid_o = _swizzle(tl.program_id(0), tl.cdiv(I, BLOCK_M), tl.cdiv(O, BLOCK_N), GROUP_M)
+    seg_start, count = _expert_segment(counts_ptr, E, e, E_POW2)
+    e64 = e.to(tl.int64)
+    ins = pid_i * BLOCK_M + tl.arange(0, BLOCK_M)
+    outs = pid_o * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_ok, out_ok = ins < I, outs < O
+    ks = tl.arange(0, BLOCK_K)
+    a_scale_rows = a_scale_ptr + e64 * stride_ase + ins * stride_asi
+    dy_scale_cols = dy_scale_ptr + e64 * stride_dse + outs * stride_dso
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, count, BLOCK_K):
+        rows = seg_start + k + ks
+        row_ok = (k + ks < count) & (rows < N)
+        at = tl.load(a_ptr + ins[:, None] * stride_ai + rows[None, :] * stride_an,
+                     mask=in_ok[:, None] & row_ok[None, :], other=0.0)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dyn + outs[None, :] * stride_dyo,
+                     mask=row_ok[:, None] & out_ok[None, :], other=0.0)
+        if TILE == 0:
+            acc = tl.dot(at, dy, acc)
+        else:
+            t = k // TILE
+            part = tl.dot(at, dy)
+            part *= tl.load(a_scale_rows + t * stride_ass, mask=in_ok, other=0.0)[:, None]
+            part *= tl.load(dy_scale_cols + t * stride_dss, mask=out_ok, other=0.0)[None, :]
+            acc += part
+    if TILE == 0:
+        acc *= tl.load(a_scale_rows, mask=in_ok, other=0.0)[:, None]
+        acc *= tl.load(dy_scale_cols, mask=out_ok, other=0.0)[None, :]
+    dw_ptrs = dw_ptr + e64 * stride_dwe + ins[:, None] * stride_dwi + outs[None, :] * stride_dwo
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=in_ok[:, None] & out_ok[None, :])
+
+
+# The weight gradient's K is the expert's rows: 64-row steps (the blockwise tile of 128 holds two), 32 for MXFP8.
+WGRAD_CONFIGS = {64: triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8,
+                                   num_stages=3),
+                 32: triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8,
+                                   num_stages=4)}
+
+
+def fp8_weight_grad_launch(a_q, a_scale, dy_q, dy_scale, tile: int, counts_e, dw_eIO, interpreter: bool = False):
+    """(kernel, args, constexprs, options, grid) of one weight-gradient launch: `a_q` [N, I] and `dy_q` [N, O] e4m3
+    (rows in expert order), `a_scale` [E, I, S] and `dy_scale` [E, S, O] fp32, S the most tiles of a segment; `tile` rows per tile from each segment's start (0: the whole segment)."""
+    N, I = a_q.shape
+    O = dy_q.shape[1]
+    E, S = a_scale.shape[0], a_scale.shape[2]
+    if tile and (tile & (tile - 1) or tile < 16):
+        raise ValueError(f"fp8_weight_grad_launch: tile={tile} must be a power of two >= 16 (or 0: the segment)")
+    step = 32 if tile == 32 else 64
+    config = dict(INTERPRETER_CONFIG, BLOCK_K=32) if interpreter else dict(WGRAD_CONFIGS[step].kwargs)
+    args = (a_q, a_scale, dy_q, dy_scale, dw_eIO, counts_e, N, I, O, E, S, *a_q.stride(), *a_scale.stride(),
+            *dy_q.stride(), *dy_scale.stride(), *dw_eIO.stride())
+    constexprs = dict(TILE=tile, E_POW2=triton.next_power_of_2(max(E, 1)), **config)
+    options = {} if interpreter else {"num_warps": WGRAD_CONFIGS[step].num_warps,
+                                      "num_stages": WGRAD_CONFIGS[step].num_stages}
+    grid = (triton.cdiv(I, config["BLOCK_M"]) * triton.cdiv(O, config["BLOCK_N"]), E)
+    return _fp8_weight_grad_kernel, args, constexprs, options, grid
+
+
+def fp8_weight_grad(a_q, a_scale, dy_q, dy_scale, tile: int, counts_e) -> torch.Tensor:
+    """dw [E, I, O] in fp32 (see `fp8_weight_grad_launch`); an expert without rows gets zeros."""
+    from fmoe.kernels.triton_grouped_mm import interpreting
+    E, I, O = counts_e.shape[0], a_q.shape[1], dy_q.shape[1]
+    dw = torch.zeros(E, I, O, dtype=torch.float32, device=a_q.device)
+    if E == 0 or I == 0 or O == 0:
+        return dw
+    kernel, args, constexprs, options, grid = fp8_weight_grad_launch(a_q, a_scale, dy_q, dy_scale, tile, counts_e,
+                                                                     dw, interpreter=interpreting())
+    kernel[grid](*args, **constexprs, **options)
+    return dw
+
+
 def aot_launches(a_tile, b_tile, shape: dict, device: str = "meta"):
     """(name, kernel, args, constexprs, config) of the FP8 launches a layer makes with a recipe's activation
     tile `a_tile` and weight block `b_tile` (`fmoe.kernels.fp8.ACTIVATION_TILE` / `WEIGHT_BLOCK`) at `shape`
     (T, D, F, E, K: tokens, widths, experts, top-k), on `device` tensors, for `fmoe.tools.aot`: the up
-    projection's forward ([N, D] @ [E, D, F]) and its input gradient ([N, F] @ w^T, read through strides)."""
+    projection's forward ([N, D] @ [E, D, F]), its input gradient ([N, F] @ w^T, read through strides) and
+    its weight gradient (x^T @ dy per expert)."""
     T, D, F, E, K = (shape[k] for k in ("T", "D", "F", "E", "K"))
     N = T * K
 
@@ -153,4 +240,11 @@ def aot_launches(a_tile, b_tile, shape: dict, device: str = "meta"):
                                                                   empty(N, o_dim, dt=torch.bfloat16))
         blocks = {k: constexprs.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
         out.append((name, kernel, args, constexprs, triton.Config(blocks, **options)))
+    # The up projection's weight gradient: x [N, D] and dy [N, F] along the tokens, S tiles a segment at most.
+    S = 1 if a_tile is None else triton.cdiv(N, a_tile)
+    kernel, args, constexprs, options, _ = fp8_weight_grad_launch(
+        empty(N, D, dt=e4m3), empty(E, D, S), empty(N, F, dt=e4m3), empty(E, S, F), a_tile or 0, counts_e,
+        empty(E, D, F))
+    blocks = {k: constexprs.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+    out.append(("fp8_weight_grad", kernel, args, constexprs, triton.Config(blocks, **options)))
     return out
