@@ -490,3 +490,22 @@ def test_fp8_compiled_equals_eager(recipe="blockwise"):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="disable"):
         torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+
+
+@pytest.mark.parametrize("seam", [False, True])
+def test_fp8_on_a_converted_transformers_model(seam):
+    """fmoe.hf.convert(model, fp8=...) whole and at the experts seam: the experts run the recipe, the logits
+    stay within FP8's error of the unconverted model's."""
+    pytest.importorskip("transformers")
+    import fmoe.integrations.hf as fhf
+    from tests.hf_models import tiny, tokens
+    model = tiny("qwen3_moe")
+    ids = tokens()
+    with torch.no_grad():
+        want = model(ids).logits
+    fhf.convert(model, fp8="rowwise", seam=seam)
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    assert experts and all(m.fp8 == "rowwise" for m in experts)
+    with torch.no_grad():
+        got = model(ids).logits
+    assert 0 < rel(got, want) < OUTPUT_BOUND

@@ -314,3 +314,24 @@ def test_torchtitan_example_trains_both_and_prints_the_curves(tmp_path):
     assert result["largest_relative_difference"] < 1e-2
     assert result["curves"]["fmoe"][-1] < result["curves"]["fmoe"][0]
     assert set(result["routing_stats"]) == {"layers.0.moe", "layers.1.moe"}
+
+
+@pytest.mark.parametrize("level", ["experts", "moe"])
+def test_torchtitan_fp8_at_both_levels(level):
+    """fmoe's FP8 recipes carry into torchtitan's models: at each level the experts run the recipe, and the logits
+    stay within FP8's error of torchtitan's own in float32."""
+    model = tiny("deepseek_v3")
+    reference = copy.deepcopy(model)
+    if level == "experts":
+        fmoe_titan.use_fmoe_experts(model, dtype=None, fp8="blockwise")
+    else:
+        fmoe_titan.convert(model, fp8="blockwise")
+    experts = [m for m in model.modules() if isinstance(m, fmoe_titan.TorchtitanExperts)]
+    assert experts and all(m.fp8 == "blockwise" for m in experts)
+    tokens = tokens_for(model)
+    want, _ = loss_and_grads(reference, tokens, reference=True)
+    got, grads = loss_and_grads(model, tokens)
+    assert 0 < relative_error(got, want) < 0.08
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    with pytest.raises(ValueError, match="fp8 must be"):
+        fmoe_titan.convert(tiny("deepseek_v3"), fp8="e5m2")

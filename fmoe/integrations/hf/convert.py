@@ -24,7 +24,7 @@ from fmoe.integrations.hf.families import BY_BLOCK, ExpertWeights, Family, find_
 from fmoe.integrations.hf.seam import SeamMoE, convert_at_seam, find_seam_experts
 from fmoe.layer import FMoE, check_world
 
-FMOE_OPTIONS = ("backend", "shadow", "schedule", "schedule_group_size", "recompute")   # go to FMoE; other options to the gate
+FMOE_OPTIONS = ("backend", "shadow", "schedule", "schedule_group_size", "recompute", "fp8")  # to FMoE; others to the gate
 
 
 @dataclass

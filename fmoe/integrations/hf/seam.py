@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fmoe.experts import GLU, GroupedExperts
+from fmoe.kernels.fp8 import check_fp8
 from fmoe.gates.base import BaseGate
 from fmoe.integrations.hf.discovery import uses_experts_interface
 from fmoe.integrations.hf.experts_impl import fused_spec
@@ -42,7 +43,7 @@ from fmoe.layer import FMoE
 EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 # FMoE options a seam conversion passes on; `capacity` goes to the gate.
 SEAM_OPTIONS = ("backend", "shadow", "schedule", "schedule_group_size", "recompute", "exchange", "ranks_per_node",
-                "sync_free", "max_tokens_per_rank", "overlap", "fp32_combine", "capacity")
+                "sync_free", "max_tokens_per_rank", "overlap", "fp32_combine", "capacity", "fp8")
 TOP_K_ATTRS = ("num_experts_per_tok", "moe_top_k", "top_k", "moe_k")
 
 
@@ -199,7 +200,7 @@ def layout_of(experts: nn.Module) -> dict:
 
 
 def seam_experts(experts: nn.Module, layout: dict, rank: int, ep_size: int, backend=None,
-                 recompute: str = "activation") -> SeamExperts:
+                 recompute: str = "activation", fp8=None) -> SeamExperts:
     """`experts` as a SeamExperts holding experts [rank * e, (rank + 1) * e) (e = E / ep_size); on one
     rank the very parameters of `experts`."""
     e = layout["E"] // ep_size
@@ -219,7 +220,7 @@ def seam_experts(experts: nn.Module, layout: dict, rank: int, ep_size: int, back
     new.num_experts = e
     new.has_gate, new.has_bias, new.is_transposed = layout["has_gate"], layout["has_bias"], layout["is_transposed"]
     new.has_post_expert_norm = layout["post_norm"]
-    new.backend, new.recompute, new.fp8 = backend, recompute, None
+    new.backend, new.recompute, new.fp8 = backend, recompute, check_fp8(fp8)
     new.num_expert, new.d_model, new.d_hidden = e, layout["D"], layout["F"]
     new.activation = activation_of(experts, layout["has_gate"])
     return new
@@ -337,11 +338,11 @@ def convert_at_seam(model: nn.Module, ep_size: int = 1, moe_group=None, **option
     except ValueError as err:
         raise ValueError(f"convert: ep_size={ep_size}: {err}; the model is unchanged") from err
     rank = dist.get_rank(moe_group) if ep_size > 1 else 0
-    fmoe_options = {k: v for k, v in options.items() if k != "capacity"}
+    fmoe_options = {k: v for k, v in options.items() if k not in ("capacity", "fp8")}     # fp8: on the experts
     new_layers = []
     for name, experts, layout in plans:
         local = seam_experts(experts, layout, rank, ep_size, options.get("backend"),
-                             options.get("recompute", "activation"))
+                             options.get("recompute", "activation"), options.get("fp8"))
         layer = SeamMoE(local, top_k_of(experts), ep_size, moe_group, options.get("capacity"), **fmoe_options)
         layer.train(experts.training)
         new_layers.append(layer)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fmoe.experts import ClampedSwiGLU, GroupedExperts, check_recompute
+from fmoe.kernels.fp8 import check_fp8
 
 SWIGLU_TENSORS = ("w1_EFD", "w2_EDF", "w3_EFD")
 GPT_OSS_TENSORS = ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")
@@ -118,9 +119,10 @@ def fmoe_class(titan_cls: type) -> type:
 
 
 def swap_experts(experts: nn.Module, dtype: Optional[torch.dtype] = torch.bfloat16, backend=None,
-                 recompute: str = "activation") -> TorchtitanExperts:
+                 recompute: str = "activation", fp8: Optional[str] = None) -> TorchtitanExperts:
     """`experts` (a torchtitan experts module) becomes a TorchtitanExperts in place and is returned; its
-    parameters are untouched. `dtype`: what the GEMMs run in when called as torchtitan's (see above)."""
+    parameters are untouched. `dtype`: what the GEMMs run in when called as torchtitan's (see above);
+    `fp8`: fmoe's FP8 recipe for the two GEMMs (`fmoe.kernels.fp8`; None: off)."""
     if isinstance(experts, TorchtitanExperts):
         return experts
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -133,7 +135,7 @@ def swap_experts(experts: nn.Module, dtype: Optional[torch.dtype] = torch.bfloat
         E2F, D = 2 * experts.w1_EFD.shape[1], experts.w1_EFD.shape[2]
         activation = "swiglu"
     settings = dict(titan_layout=layout, dtype=dtype, backend=backend, recompute=check_recompute(recompute),
-                    fp8=None, d_model=int(D), d_hidden=int(E2F) // 2, activation=activation)
+                    fp8=check_fp8(fp8), d_model=int(D), d_hidden=int(E2F) // 2, activation=activation)
     experts.__class__ = fmoe_class(type(experts))
     for name, value in settings.items():
         object.__setattr__(experts, name, value)
@@ -141,7 +143,7 @@ def swap_experts(experts: nn.Module, dtype: Optional[torch.dtype] = torch.bfloat
 
 
 def use_fmoe_experts(model: nn.Module, dtype: Optional[torch.dtype] = torch.bfloat16, backend=None,
-                     recompute: str = "activation") -> nn.Module:
+                     recompute: str = "activation", fp8: Optional[str] = None) -> nn.Module:
     """Every torchtitan experts module of `model` (torchtitan's `GroupedExperts` and its subclasses) runs
     on fmoe's kernels, in place, with the same parameters; returns `model`. All are checked first: on an
     error nothing has changed."""
@@ -155,6 +157,7 @@ def use_fmoe_experts(model: nn.Module, dtype: Optional[torch.dtype] = torch.bflo
             layout_of(m)
         except ValueError as err:
             raise ValueError(f"use_fmoe_experts: {name}: {err}; the model is unchanged") from err
+    check_fp8(fp8)
     for _, m in found:
-        swap_experts(m, dtype, backend, recompute)
+        swap_experts(m, dtype, backend, recompute, fp8)
     return model

@@ -34,12 +34,13 @@ from torch import nn
 
 from fmoe.gates.base import autocast_off, routing_dtype
 from fmoe.gates.router import RouterGate
+from fmoe.kernels.fp8 import check_fp8
 from fmoe.integrations.torchtitan.experts import layout_of, local, swap_experts
 from fmoe.layer import FMoE
 
 # FMoE options `convert` passes on (the router, the experts and the shared experts are torchtitan's).
 MOE_OPTIONS = ("backend", "shadow", "schedule", "schedule_group_size", "recompute", "exchange", "ranks_per_node",
-               "sync_free", "max_tokens_per_rank", "overlap", "fp32_combine")
+               "sync_free", "max_tokens_per_rank", "overlap", "fp32_combine", "fp8")
 
 
 class TorchtitanRouterGate(RouterGate):
@@ -77,7 +78,7 @@ class TorchtitanMoE(FMoE):
         router, experts = titan_moe.router, titan_moe.routed_experts.inner_experts
         E = router.num_experts
         experts = swap_experts(experts, dtype=experts_dtype, backend=options.get("backend"),
-                               recompute=options.get("recompute", "activation"))
+                               recompute=options.get("recompute", "activation"), fp8=options.pop("fp8", None))
         if experts.num_expert != E // ep_size:
             raise ValueError(f"the experts module holds {experts.num_expert} experts here; {E} experts over "
                              f"ep_size={ep_size} ranks leave {E // ep_size} to each (convert shards them)")
@@ -132,6 +133,7 @@ def check_titan_moe(titan_moe: nn.Module, ep_size: int, options: dict) -> None:
     if bad:
         raise ValueError(f"options {bad} are not taken: torchtitan's router, experts and shared experts carry "
                          f"over; the layer takes {list(MOE_OPTIONS)}")
+    check_fp8(options.get("fp8"))
     router = titan_moe.router
     E = router.num_experts
     if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1 or E % ep_size:
