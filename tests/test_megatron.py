@@ -228,6 +228,25 @@ def stage_layouts(ckpt):
     return runs
 
 
+def stage_fp8():
+    """The MegatronMLP with fp8="blockwise" (a spec's mlp_params): its experts run the recipe, and the model's
+    logits stay within FP8's error of the same model without it."""
+    set_layout(1, 2)
+    logits, state = {}, None
+    for recipe in (None, "blockwise"):
+        model = gpt(2, gate="naive", fp8=recipe)
+        if state is None:
+            state = model.state_dict()
+        else:       # the same weights: no FP8 state, so the state dict loads either way
+            model.load_state_dict(state)
+        tokens, _ = batch(0, 0)
+        with torch.no_grad():
+            logits[recipe] = model(tokens, torch.arange(SEQ).expand_as(tokens), None)
+        recipes = [layer.mlp.moe.experts.fp8 for layer in model.decoder.layers]
+    error = float((logits["blockwise"] - logits[None]).norm() / logits[None].norm())
+    return {"recipes": recipes, "error": error}
+
+
 def worker(rank, world_size, out_dir):
     from megatron.core import parallel_state
 
@@ -235,6 +254,7 @@ def worker(rank, world_size, out_dir):
               "mlp": stage_mlp_matches_fmoe(),
               "padding": stage_padding_mask(),
               "routing_stats": stage_routing_stats(),
+              "fp8": stage_fp8(),
               "layouts": stage_layouts(os.path.join(out_dir, "ckpt_layouts"))}
     parallel_state.destroy_model_parallel()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -284,6 +304,12 @@ def test_padding_mask_routes_padded_tokens_nowhere(runs):
         assert pad["out"] < 1e-6 and pad["grad"] < 1e-6, pad
         assert pad["routed"] == pad["expected_routed"], pad
         assert "padding_mask must be [batch, seq]" in pad["bad_shape"], pad
+
+
+def test_megatron_mlp_runs_fmoes_fp8_recipe(runs):
+    for rank_runs in runs:
+        assert rank_runs["fp8"]["recipes"] == ["blockwise", "blockwise"]
+        assert 0 < rank_runs["fp8"]["error"] < 0.08, rank_runs["fp8"]
 
 
 def test_layouts_train_alike_from_one_checkpoint(runs):

@@ -49,8 +49,9 @@ class MegatronMLP(MegatronModule):
     config's TopKRouter would (`fmoe.integrations.megatron.router`: score function, pre-softmax, groups,
     scaling, expert bias, balance losses and their coefficients, z-loss). `shadow` (True or a ShadowPolicy)
     turns on FasterMoE's shadowing of hot experts over the expert-parallel group, as on FMoE;
-    `recompute` chooses what the experts keep for backward, and `exchange` / `ranks_per_node` how
-    rows travel between the expert-parallel ranks, as on FMoE.
+    `recompute` chooses what the experts keep for backward, `exchange` / `ranks_per_node` how
+    rows travel between the expert-parallel ranks, and `fp8` the experts' FP8 recipe (docs/fp8.md;
+    fmoe's own, not Transformer Engine's `config.fp8`), as on FMoE.
     Built on the GPU when there is one.
     """
 
@@ -58,7 +59,7 @@ class MegatronMLP(MegatronModule):
                  gate="naive", gate_kwargs: Optional[dict] = None, aux_loss_coeff: Optional[float] = None,
                  ffn_hidden_size: Optional[int] = None, backend: Optional[str] = None, shadow=None, pg_collection=None,
                  is_mtp_layer: bool = False, name: Optional[str] = None, recompute: str = "activation",
-                 exchange: str = "slot", ranks_per_node: Optional[int] = None):
+                 exchange: str = "slot", ranks_per_node: Optional[int] = None, fp8: Optional[str] = None):
         # pg_collection, is_mtp_layer and name are what megatron-core >= 0.17 passes every MLP builder.
         super().__init__(config=config)
         self.name = name
@@ -105,7 +106,7 @@ class MegatronMLP(MegatronModule):
                             d_hidden=ffn_hidden_size or config.moe_ffn_hidden_size or config.ffn_hidden_size,
                             activation=activation_from_config(config), expert_bias=config.add_bias_linear,
                             backend=backend, shadow=shadow, recompute=recompute, exchange=exchange,
-                            ranks_per_node=ranks_per_node)
+                            ranks_per_node=ranks_per_node, fp8=fp8)
         self.moe.to(dtype=config.params_dtype)
         self.moe.sequence_first = True      # Megatron's hidden states are [s, b, h]: aux_loss="sequence" reads them so
         if config.perform_initialization:
