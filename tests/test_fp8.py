@@ -509,3 +509,37 @@ def test_fp8_on_a_converted_transformers_model(seam):
     with torch.no_grad():
         got = model(ids).logits
     assert 0 < rel(got, want) < OUTPUT_BOUND
+
+
+def fp8_shadow_worker(rank, world):
+    """fp8 with FasterMoE's shadowing of a hot expert against the same fp8 layer without it, at 2 ranks: the
+    shadowed rows stay home in full precision and the experts quantise them in the tiles they would have
+    travelled in, so output and x's gradient agree to rounding; the shadowed expert's weight gradient
+    (tiles along each rank's own rows, then summed) within FP8's error."""
+    from tests.shadow_workers import FixedShadow, build
+    hot = [0]
+    runs = []
+    for shadow in (False, FixedShadow(hot)):
+        layer = build(world, 2, 2, hot, activation="swiglu", fp8="blockwise", shadow=shadow)
+        torch.manual_seed(10 + rank)
+        with torch.no_grad():
+            for p in layer.experts.parameters():
+                p.copy_(torch.randn_like(p) * 0.3)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(14, layer.d_model, generator=g).requires_grad_(True)
+        shadow_rows = []
+        plan_of = layer.dispatcher.plan
+        layer.dispatcher.plan = lambda routing: shadow_rows.append(plan_of(routing)) or shadow_rows[-1]
+        out = layer(x)
+        (out * torch.randn(out.shape, generator=g)).sum().backward()
+        assert (shadow_rows[0].num_shadow_rows > 0) == bool(shadow), "the hot expert's rows stayed home"
+        runs.append((out.detach(), x.grad, {n: p.grad for n, p in layer.experts.named_parameters()}))
+    (out0, dx0, g0), (out1, dx1, g1) = runs
+    torch.testing.assert_close(out1, out0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx1, dx0, rtol=1e-5, atol=1e-5)
+    for name in g0:
+        assert float((g1[name] - g0[name]).norm() / g0[name].norm()) < 0.1, name
+
+
+def test_fp8_with_shadowing_equals_without():
+    run_ranks(fp8_shadow_worker, 2)
