@@ -188,15 +188,15 @@ class SlotExchange(Exchange):
     def pipelining(self, x_ND) -> bool:
         """overlap="pipeline" chunks this exchange: eager (traced, the exchange runs as "shared"), one
         tensor of rows, nothing shadowed or scheduled (the callers check those), experts that FSDP2
-        does not shard (each chunk's call would gather their parameters again), rows not sent in FP8."""
+        does not shard (each chunk's call would gather their parameters again)."""
         return (self.pipeline and isinstance(x_ND, torch.Tensor) and not torch.compiler.is_compiling()
-                and not sharded_by_fsdp(self.layer.experts) and self.fp8_rows is None)
+                and not sharded_by_fsdp(self.layer.experts))
 
     def pipelined(self, x_ND, plan: RoutingPlan, weight_N, experts, alongside: SharedTerm):
-        """The exchange in chunks of local experts, as many as the performance model picks."""
+        """The exchange in chunks of local experts, as many as the performance model picks (FP8 rows with fp8=)."""
         chunks = pipeline_chunks_for(self.layer, x_ND)
         return pipelined_exchange(x_ND, weight_N, plan.exchange, chunked_plan(plan.exchange, plan.counts_E, chunks),
-                                  experts, None if alongside.empty else alongside.run)
+                                  experts, None if alongside.empty else alongside.run, self.fp8_rows)
 
     def run_rows(self, x_ND, plan: RoutingPlan, alongside: SharedTerm = NO_SHARED_TERM):
         """Rows in expert order -> the experts' outputs in the same order, wherever the experts live."""
@@ -212,9 +212,14 @@ class SlotExchange(Exchange):
         elif pull is None and self.pipelining(x_sent):
             y_sent = self.pipelined(x_sent, plan, None, lambda x_RD, counts_e, _: call.rows(x_RD, counts_e), alongside)
         elif pull is None and self.fp8_rows is not None:
-            # FP8 rows out (and output gradients out), in line: the work alongside runs first
-            self.travelling(alongside)
-            x_RD = fp8_exchange.dispatch(x_sent, plan, self.fp8_rows)
+            # FP8 rows out while the work alongside runs (in line where the exchange is traced), output
+            # gradients out as FP8 too
+            if self.overlap_shared and not torch.compiler.is_compiling():
+                rows = exchange.start_dispatch(x_sent, plan, codec=fp8_exchange.FP8Codec(self.fp8_rows))
+                self.travelling(alongside)
+                x_RD = rows.wait()
+            else:
+                x_RD = fp8_exchange.dispatch(x_sent, plan, self.fp8_rows)
             y_sent = fp8_exchange.combine(call.rows(x_RD, plan.local_counts_e), plan, self.fp8_rows)
         else:
             rows = self.start_dispatch(x_sent, plan)

@@ -543,3 +543,26 @@ def fp8_shadow_worker(rank, world):
 
 def test_fp8_with_shadowing_equals_without():
     run_ranks(fp8_shadow_worker, 2)
+
+
+def fp8_overlap_worker(rank, world):
+    """fp8 rows under every overlap mode (in line, beside the shared experts, pipelined in chunks of experts):
+    the same output and gradients, bit for bit (the rows' tiles run along each row, so chunks quantise alike)."""
+    from tests.dist_workers import build_pair
+    results = {}
+    for overlap in ("none", "shared", "pipeline"):
+        _, ep = build_pair("naive", 2, 2, world, rank, fp8="blockwise", activation="swiglu", shared_expert=16,
+                           ep_kwargs={"overlap": overlap})
+        x = torch.randn(24, ep.d_model, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
+        out = ep(x)
+        out.sum().backward()
+        results[overlap] = (out.detach(), x.grad, {n: p.grad for n, p in ep.named_parameters()})
+    base = results["none"]
+    for overlap in ("shared", "pipeline"):
+        out, dx, grads = results[overlap]
+        assert torch.equal(out, base[0]) and torch.equal(dx, base[1]), overlap
+        assert all(torch.equal(grads[n], base[2][n]) for n in grads), overlap
+
+
+def test_fp8_rows_under_every_overlap_mode_are_bit_identical():
+    run_ranks(fp8_overlap_worker, 2)

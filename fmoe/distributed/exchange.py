@@ -165,17 +165,51 @@ class AllToAll(torch.autograd.Function):
 
 class Flight:
     """An all-to-all on its way (`started`), and in the backward its gradient's on the way back
-    (`returning`): what `_Issue` and `_Arrive`, the two autograd nodes of `start_all_to_all`, share."""
+    (`returning`): what `_Issue` and `_Arrive`, the two autograd nodes of `start_all_to_all`, share.
 
-    def __init__(self, send_splits, recv_splits, group, what: str, traffic: Optional[Traffic], kind: str):
+    A `codec` (with its `leg`, "forward" or "backward") sends that leg's rows encoded: `codec.encode(x)`
+    gives the tensors that travel (FP8 data and scales, `fmoe.distributed.fp8_exchange.FP8Codec`) and
+    `codec.decode(received, like)` the rows back, once they are there."""
+
+    def __init__(self, send_splits, recv_splits, group, what: str, traffic: Optional[Traffic], kind: str,
+                 codec=None, leg: str = "forward"):
         self.send_splits, self.recv_splits, self.group, self.what = send_splits, recv_splits, group, what
         self.traffic, self.kind = traffic, kind
+        self.codec, self.leg = codec, leg
         self.started: Optional[link.Pending] = None
         self.returning: Optional[link.Pending] = None
         self.grad_x: Optional[torch.Tensor] = None      # being filled by the gradient's exchange back
+        self.encoded: Optional[list] = None             # an encoded leg's receive buffers, decoded at its wait
 
     def issue(self, x, send_splits, recv_splits, what: str, backward: bool):
-        return issue_all_to_all(x, send_splits, recv_splits, self.group, what, self.traffic, self.kind, backward)
+        if self.codec is None or backward != (self.leg == "backward"):
+            return issue_all_to_all(x, send_splits, recv_splits, self.group, what, self.traffic, self.kind, backward)
+        buffers, pendings = [], []
+        for part in self.codec.encode(x):
+            received, pending = issue_all_to_all(part, send_splits, recv_splits, self.group, what, self.traffic,
+                                                 self.kind, backward)
+            buffers.append(received)
+            pendings.append(pending)
+        self.encoded = buffers
+        return x.new_empty((sum(recv_splits),) + tuple(x.shape[1:])), AllPending(pendings)
+
+    def received(self, out: torch.Tensor) -> torch.Tensor:
+        """`out` once its exchange is waited for: an encoded leg's rows decoded into it."""
+        if self.encoded is not None:
+            out.copy_(self.codec.decode(self.encoded, out))
+            self.encoded = None
+        return out
+
+
+class AllPending:
+    """Several collectives waited for as one (an encoded leg's parts)."""
+
+    def __init__(self, pendings):
+        self.pendings = pendings
+
+    def wait(self):
+        for pending in self.pendings:
+            pending.wait()
 
 
 class _Issue(torch.autograd.Function):
@@ -193,7 +227,7 @@ class _Issue(torch.autograd.Function):
     def backward(ctx, grad_out):
         flight, ctx.flight = ctx.flight, None
         flight.returning.wait()
-        grad_x, flight.returning, flight.grad_x = flight.grad_x, None, None
+        grad_x, flight.returning, flight.grad_x = flight.received(flight.grad_x), None, None
         return grad_x, None
 
 
@@ -206,7 +240,7 @@ class _Arrive(torch.autograd.Function):
         ctx.flight = flight
         flight.started.wait()
         flight.started = None
-        return out.view_as(out)
+        return flight.received(out).view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
@@ -232,12 +266,15 @@ class InFlight:
 
 
 def start_all_to_all(x, send_splits, recv_splits, group, what: str, traffic: Optional[Traffic] = None,
-                     kind: str = "dispatch") -> InFlight:
+                     kind: str = "dispatch", codec=None, leg: str = "forward") -> InFlight:
     """`AllToAll.apply`, started: work done before the handle's `wait()` runs while the rows travel, and
-    in the backward the rows' gradients travel back while what autograd has ready runs (traced: in line)."""
+    in the backward the rows' gradients travel back while what autograd has ready runs (traced: in line).
+    `codec` / `leg`: that leg's rows travel encoded (see `Flight`); eager only."""
     if torch.compiler.is_compiling():
+        if codec is not None:
+            raise RuntimeError(f"{what}: an encoded (FP8) exchange runs eagerly, not traced")
         return InFlight(AllToAll.apply(x, send_splits, recv_splits, group, what, traffic, kind))
-    flight = Flight(send_splits, recv_splits, group, what, traffic, kind)
+    flight = Flight(send_splits, recv_splits, group, what, traffic, kind, codec, leg)
     return InFlight(_Issue.apply(x, flight), flight)
 
 
@@ -276,14 +313,15 @@ def dispatch(x_ND: torch.Tensor, plan, kind: str = "dispatch") -> torch.Tensor:
     return Reorder.apply(x_RD, plan.recv_order_R)
 
 
-def start_dispatch(x_ND: torch.Tensor, plan, kind: str = "dispatch") -> InFlight:
+def start_dispatch(x_ND: torch.Tensor, plan, kind: str = "dispatch", codec=None) -> InFlight:
     """`dispatch`, started: work done before the handle's `wait()` runs while the rows travel, and in the
-    backward the rows' gradients travel back while what autograd has ready runs."""
+    backward the rows' gradients travel back while what autograd has ready runs. `codec`: the rows travel
+    encoded (FP8), their gradients back in their dtype."""
     exchange_plan = plan.exchange
     if exchange_plan is None:
         return InFlight(x_ND)
     sent = start_all_to_all(x_ND, exchange_plan.send_splits_W, exchange_plan.recv_splits_W, exchange_plan.group,
-                            f"{exchange_plan.layer}: dispatch all-to-all", exchange_plan.traffic, kind)
+                            f"{exchange_plan.layer}: dispatch all-to-all", exchange_plan.traffic, kind, codec)
     sent.order = exchange_plan.recv_order_R
     return sent
 

@@ -34,6 +34,25 @@ def send_quantised(x_ND: torch.Tensor, send_splits: List[int], recv_splits: List
     return fp8.dequantise(received).to(x_ND.dtype)
 
 
+class FP8Codec:
+    """A leg's rows as the tensors that travel for them (e4m3 data as bytes, and the scales) and back: what an
+    asynchronous exchange (`fmoe.distributed.exchange.Flight`) sends for an FP8 leg."""
+
+    def __init__(self, recipe: str):
+        self.recipe = fp8.check_fp8(recipe)
+
+    def encode(self, x_ND: torch.Tensor) -> list:
+        q = fp8.quantise_activation(x_ND, self.recipe)
+        self.block, self.scale_dtype = q.block, q.scale.dtype
+        scale = q.scale.view(torch.uint8) if q.scale.element_size() == 1 else q.scale
+        return [q.data.view(torch.uint8), scale]
+
+    def decode(self, received: list, like: torch.Tensor) -> torch.Tensor:
+        data, scale = received
+        q = fp8.Quantised(data.view(fp8.E4M3), scale.view(self.scale_dtype), self.block)
+        return fp8.dequantise(q).to(like.dtype)
+
+
 class FP8Send(torch.autograd.Function):
     """Rows out (send_splits out, recv_splits in) as FP8; their gradients back in the gradients' dtype."""
 

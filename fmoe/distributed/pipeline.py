@@ -21,6 +21,7 @@ import torch
 
 from fmoe.distributed import link
 from fmoe.distributed.exchange import ExchangePlan, Reorder, expert_major_order, inverse_order, start_all_to_all
+from fmoe.distributed.fp8_exchange import FP8Codec
 from fmoe.env import env_int
 from fmoe.perf.perfmodel import PerfModel, pipeline_chunks
 
@@ -96,11 +97,16 @@ def pipeline_chunks_for(layer, x_ND: torch.Tensor) -> int:
 
 
 def pipelined_exchange(x_ND: torch.Tensor, weight_N: Optional[torch.Tensor], exchange: ExchangePlan,
-                       chunked: ChunkedPlan, experts: Callable, meanwhile: Optional[Callable[[], None]] = None):
+                       chunked: ChunkedPlan, experts: Callable, meanwhile: Optional[Callable[[], None]] = None,
+                       fp8: Optional[str] = None):
     """dispatch -> experts -> combine of the rows x_ND (in expert order), chunk by chunk: returns the
     experts' outputs for x_ND's rows, in the same order. `experts(x_RD, counts_e, weight_R)`: the local
     experts on received rows (expert-major); `weight_N`: routing weights travelling with the rows (None:
-    none); `meanwhile()` runs once every chunk's dispatch has started."""
+    none); `meanwhile()` runs once every chunk's dispatch has started; `fp8`: each chunk's rows out and
+    its output gradients out travel as FP8 in this recipe (`fmoe.distributed.fp8_exchange.FP8Codec`)."""
+    def codec():
+        return None if fp8 is None else FP8Codec(fp8)
+
     what = f"{exchange.layer}: pipelined"
     sizes = [sum(chunk.send_splits) for chunk in chunked.chunks]
     x_parts = Reorder.apply(x_ND, chunked.send_order_N).split(sizes)
@@ -108,7 +114,7 @@ def pipelined_exchange(x_ND: torch.Tensor, weight_N: Optional[torch.Tensor], exc
     started = []
     for c, chunk in enumerate(chunked.chunks):
         rows = start_all_to_all(x_parts[c], chunk.send_splits, chunk.recv_splits, exchange.group,
-                                f"{what} dispatch all-to-all", exchange.traffic, "dispatch")
+                                f"{what} dispatch all-to-all", exchange.traffic, "dispatch", codec(), "forward")
         rows.order = chunk.order_R
         weights = None if w_parts is None else start_all_to_all(
             w_parts[c], chunk.send_splits, chunk.recv_splits, exchange.group, f"{what} routing all-to-all",
@@ -124,6 +130,7 @@ def pipelined_exchange(x_ND: torch.Tensor, weight_N: Optional[torch.Tensor], exc
         y_RD = experts(x_RD, chunk.counts_e, None if weights is None else weights.wait()[:, 0])
         y_back = Reorder.apply(y_RD, inverse_order(chunk.order_R))
         returning.append(start_all_to_all(y_back, chunk.recv_splits, chunk.send_splits, exchange.group,
-                                          f"{what} combine all-to-all", exchange.traffic, "combine"))
+                                          f"{what} combine all-to-all", exchange.traffic, "combine", codec(),
+                                          "backward"))
     y_parts = [back.wait() for back in returning]
     return Reorder.apply(torch.cat(y_parts), chunked.return_order_N)
