@@ -1,6 +1,7 @@
 """FP8 experts (#49): the recipes' quantisation, the emulated FP8 grouped GEMM against a per-block,
 per-expert oracle, and the layer with `fp8=` (errors against fp32, modes, autocast, state dicts,
 expert parallelism). Every test name contains "fp8"."""
+import copy
 import math
 
 import pytest
@@ -566,3 +567,44 @@ def fp8_overlap_worker(rank, world):
 
 def test_fp8_rows_under_every_overlap_mode_are_bit_identical():
     run_ranks(fp8_overlap_worker, 2)
+
+
+def test_fp8_router_replay_capacity_and_gradient_accumulation():
+    """With fp8: router replay makes a layer with another router choose the recorded experts; a capacity drops (and reports) the same slots as without fp8; two accumulated
+    half-batches give the whole batch's gradients to fp32 rounding (each GEMM quantises per row and per
+    expert segment of its own batch, so the tiles of the weight gradient differ: within FP8's error)."""
+    torch.manual_seed(0)
+    layer = fmoe.FMoETransformerMLP(num_expert=4, d_model=32, d_hidden=64, top_k=2, fp8="rowwise")
+    other = copy.deepcopy(layer)
+    with torch.no_grad():
+        for p in other.gate.parameters():
+            p.add_(torch.randn_like(p))
+    x = torch.randn(24, 32)
+    chosen = []
+    for module in (layer, other):
+        module.gate_hook = lambda idx, weight, _: chosen.append(idx.sort(dim=1).values)
+    with fmoe.record_routing(layer) as trace, torch.no_grad():
+        layer(x)
+    with torch.no_grad():
+        other(x)
+    with fmoe.replay_routing(other, trace), torch.no_grad():
+        other(x)
+    for module in (layer, other):
+        module.gate_hook = None
+    assert not torch.equal(chosen[1], chosen[0]) and torch.equal(chosen[2], chosen[0])
+
+    capped = {}
+    for recipe in (None, "blockwise"):
+        torch.manual_seed(1)
+        capped[recipe] = fmoe.FMoETransformerMLP(num_expert=4, d_model=32, d_hidden=64, top_k=2, gate="gshard",
+                                                 gate_kwargs={"capacity": (0.5, 0.5), "random_routing": False},
+                                                 fp8=recipe)
+        capped[recipe](x)
+    assert capped["blockwise"].num_dropped == capped[None].num_dropped > 0
+
+    whole = copy.deepcopy(layer)
+    whole(x).sum().backward()
+    layer(x[:12]).sum().backward()
+    layer(x[12:]).sum().backward()
+    for (name, p), (_, q) in zip(layer.named_parameters(), whole.named_parameters()):
+        assert rel(p.grad, q.grad) < GRAD_BOUND, name
