@@ -546,14 +546,15 @@ def test_fp8_with_shadowing_equals_without():
     run_ranks(fp8_shadow_worker, 2)
 
 
-def fp8_overlap_worker(rank, world):
-    """fp8 rows under every overlap mode (in line, beside the shared experts, pipelined in chunks of experts):
-    the same output and gradients, bit for bit (the rows' tiles run along each row, so chunks quantise alike)."""
+def fp8_overlap_worker(rank, world, exchange="slot"):
+    """fp8 rows under every overlap mode (in line, beside the shared experts, pipelined in chunks of experts;
+    the rank exchange: beside the shared experts): the same output and gradients, bit for bit (the rows'
+    tiles run along each row, so chunks quantise alike)."""
     from tests.dist_workers import build_pair
     results = {}
     for overlap in ("none", "shared", "pipeline"):
         _, ep = build_pair("naive", 2, 2, world, rank, fp8="blockwise", activation="swiglu", shared_expert=16,
-                           ep_kwargs={"overlap": overlap})
+                           ep_kwargs={"overlap": overlap, "exchange": exchange})
         x = torch.randn(24, ep.d_model, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
         out = ep(x)
         out.sum().backward()
@@ -565,8 +566,9 @@ def fp8_overlap_worker(rank, world):
         assert all(torch.equal(grads[n], base[2][n]) for n in grads), overlap
 
 
-def test_fp8_rows_under_every_overlap_mode_are_bit_identical():
-    run_ranks(fp8_overlap_worker, 2)
+@pytest.mark.parametrize("exchange", ["slot", "rank"])
+def test_fp8_rows_under_every_overlap_mode_are_bit_identical(exchange):
+    run_ranks(fp8_overlap_worker, 2, exchange)
 
 
 def test_fp8_router_replay_capacity_and_gradient_accumulation():

@@ -32,14 +32,16 @@ from torch.utils._pytree import tree_map
 from fmoe import kernels
 from fmoe.distributed import link
 from fmoe.distributed.exchange import AllToAll, InFlight, functional_group, row_bytes, start_all_to_all
-from fmoe.distributed.fp8_exchange import FP8GradSendBack, FP8Send
+from fmoe.distributed.fp8_exchange import FP8Codec, FP8GradSendBack, FP8Send
 from fmoe.routing import Hop, RoutingPlan
 
 
-def start_send(hop: Hop, x, what: str, kind: str) -> InFlight:
-    """x's rows out along the hop (its rows back, in the backward), started: `wait()` has them."""
+def start_send(hop: Hop, x, what: str, kind: str, fp8: Optional[str] = None) -> InFlight:
+    """x's rows out along the hop (its rows back, in the backward), started: `wait()` has them. `fp8`: the
+    rows travel as FP8 in this recipe (not on a bounded hop)."""
     if hop.bound is None:
-        return start_all_to_all(x, hop.send_splits_W, hop.recv_splits_W, hop.group, what, hop.traffic, kind)
+        codec = None if fp8 is None else FP8Codec(fp8)
+        return start_all_to_all(x, hop.send_splits_W, hop.recv_splits_W, hop.group, what, hop.traffic, kind, codec)
     if hop.traffic is not None:        # fixed sizes: the backward's are known now
         hop.traffic.add(kind, False, hop.send_splits_W, row_bytes(x))
         if x.requires_grad:
@@ -80,8 +82,7 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
     the last hop's received rows, its output travels back. `schedule`: (group size, the experts'
     parameters) to pipeline a one-hop exchange as FasterMoE's smart schedule does. `meanwhile()` runs
     while the first hop's rows travel (their exchange started, not yet waited for). `fp8`: the rows out
-    and their output gradients out travel as FP8 in this recipe, on every hop (in line: `meanwhile`
-    runs first)."""
+    and their output gradients out travel as FP8 in this recipe, on every hop."""
     if schedule is not None:
         return scheduled_hop(hop, x_TD, weight_TK, experts, backend, *schedule)
     what = f"{hop.layer}: deduplicated"
@@ -94,10 +95,16 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
         x_ND = tree_map(lambda t: kernels.permute(t, hop.pairs, backend), x_TD)
         w_NK = weight_TK.index_select(0, hop.pairs.token_N).masked_fill(~hop.slot_mask_NK, 0)
     if fp8 is not None and isinstance(x_ND, torch.Tensor) and hop.bound is None:
-        if meanwhile is not None:
+        if meanwhile is None or torch.compiler.is_compiling():
+            if meanwhile is not None:
+                meanwhile()
+            x_QD = send(hop, x_ND, f"{what} dispatch", "dispatch", fp8)
+            w_QK = send(hop, w_NK, f"{what} weights", "routing")
+        else:       # the FP8 rows travel while the work alongside runs
+            rows = start_send(hop, x_ND, f"{what} dispatch", "dispatch", fp8)
+            weights = start_send(hop, w_NK, f"{what} weights", "routing")
             meanwhile()
-        x_QD = send(hop, x_ND, f"{what} dispatch", "dispatch", fp8)
-        w_QK = send(hop, w_NK, f"{what} weights", "routing")
+            x_QD, w_QK = rows.wait(), weights.wait()
     elif meanwhile is None:
         x_QD = tree_map(lambda t: send(hop, t, f"{what} dispatch", "dispatch"), x_ND)
         w_QK = send(hop, w_NK, f"{what} weights", "routing")
