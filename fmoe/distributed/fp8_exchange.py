@@ -1,8 +1,8 @@
 """FP8 rows on the legs that carry rows to the experts (#49), DeepSeek-V3's split.
 
 With `fp8=` the slot exchange, and each hop of the rank and node exchanges, send the token rows out
-(the forward dispatch) and the output gradients out (the combine's backward) as e4m3 with their scales, quantised along the row in the
-activation tiles of the recipe (`fmoe.kernels.fp8.quantise_activation`: 1 x 128 blockwise, one scale
+(the forward dispatch) and the output gradients out (the combine's backward) as e4m3 with their
+scales, quantised along the row in the activation tiles of the recipe (`fmoe.kernels.fp8.quantise_activation`: 1 x 128 blockwise, one scale
 a row rowwise, 1 x 32 MXFP8): the experts' FP8 GEMMs quantise those rows in the same tiles again,
 which gives back the same e4m3 values, so the forward equals the experts computing on the rows
 sent in full precision to fp32 rounding. The legs back (the combine, the input gradients) stay in
@@ -21,17 +21,12 @@ from fmoe.kernels import fp8
 def send_quantised(x_ND: torch.Tensor, send_splits: List[int], recv_splits: List[int], group, traffic, what: str,
                    kind: str, backward: bool, recipe: str) -> torch.Tensor:
     """x's rows to the other ranks as e4m3 and scales; returns the received rows dequantised, in x's dtype."""
-    q = fp8.quantise_activation(x_ND, recipe)
-    scale = q.scale
-    data, data_pending = issue_all_to_all(q.data.view(torch.uint8), send_splits, recv_splits, group,
-                                          f"{what} (fp8 rows)", traffic, kind, backward)
-    scales, scale_pending = issue_all_to_all(scale.view(torch.uint8) if scale.element_size() == 1 else scale,
-                                             send_splits, recv_splits, group, f"{what} (fp8 scales)", traffic, kind,
-                                             backward)
-    data_pending.wait()
-    scale_pending.wait()
-    received = fp8.Quantised(data.view(fp8.E4M3), scales.view(scale.dtype), q.block)
-    return fp8.dequantise(received).to(x_ND.dtype)
+    codec = FP8Codec(recipe)
+    sent = [issue_all_to_all(part, send_splits, recv_splits, group, f"{what} (fp8 {name})", traffic, kind, backward)
+            for name, part in zip(("rows", "scales"), codec.encode(x_ND))]
+    for _, pending in sent:
+        pending.wait()
+    return codec.decode([received for received, _ in sent], x_ND)
 
 
 class FP8Codec:

@@ -332,6 +332,14 @@ def slot_values(values_TE: torch.Tensor, expert_idx_TK: torch.Tensor, fill: floa
     return values_TE.gather(1, expert_idx_TK.clamp_min(0)).masked_fill(expert_idx_TK < 0, fill)
 
 
+def router_logits(x_TD, weight, bias=None):
+    """x @ weight^T + bias in fp32, or in the input's precision when higher, under torch.autocast too (it would
+    round the logits to 16 bits)."""
+    dtype = routing_dtype(x_TD.dtype, weight.dtype)
+    with autocast_off(x_TD):
+        return F.linear(x_TD.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
 class LinearRouter(nn.Module):
     """The router projection d_model -> experts (`proj.weight` [E, D]). It computes in fp32, or
     in the input's precision when higher, under torch.autocast too, and keeps its parameters at least fp32."""
@@ -350,11 +358,7 @@ class LinearRouter(nn.Module):
         return self.proj.bias
 
     def forward(self, x_TD):
-        w = self.proj.weight
-        dtype = routing_dtype(x_TD.dtype, w.dtype)
-        b = self.proj.bias
-        with autocast_off(x_TD):        # autocast would round the logits to 16 bits
-            return F.linear(x_TD.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+        return router_logits(x_TD, self.proj.weight, self.proj.bias)
 
     def _apply(self, fn, *args, **kwargs):
         return super()._apply(keep_at_least_fp32(fn), *args, **kwargs)

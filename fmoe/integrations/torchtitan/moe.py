@@ -28,11 +28,9 @@ plain attributes aliasing the registered children, so nothing is held twice.
 from typing import Optional
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from fmoe.gates.base import autocast_off, routing_dtype
+from fmoe.gates.base import router_logits
 from fmoe.gates.router import RouterGate
 from fmoe.kernels.fp8 import check_fp8
 from fmoe.integrations.torchtitan.experts import layout_of, local, swap_experts
@@ -60,10 +58,8 @@ class TorchtitanRouterGate(RouterGate):
         object.__setattr__(self, "bias_holder", None)
 
     def router_logits(self, x_TD):
-        w, b = self.gate.weight, self.gate.bias
-        dtype = routing_dtype(x_TD.dtype, w.dtype)      # float32 at least, as torchtitan's autocast on a GPU
-        with autocast_off(x_TD):
-            return F.linear(x_TD.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+        # float32 at least, as torchtitan's autocast gives its router on a GPU
+        return router_logits(x_TD, self.gate.weight, self.gate.bias)
 
     def biased(self, scores_TE):
         bias_E = None if self.bias_holder is None else self.bias_holder.expert_bias_E
