@@ -205,7 +205,6 @@ def grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
     return ops.grouped_mm(x_NI, w_eIO, counts_e, bias_eO, impl)
 
 
-@like_linear_under_autocast
 def fp8_grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor, recipe: str,
                    bias_eO: Optional[torch.Tensor] = None, activation=None,
                    backend: Optional[str] = None) -> torch.Tensor:
@@ -217,20 +216,31 @@ def fp8_grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tens
     interpreter) the forward and input-gradient products run the FP8 kernel (`fmoe.kernels.triton_fp8`),
     which needs FP8 tensor cores (sm_89 or later: an older GPU is refused in one line; FMOE_BACKEND=torch
     emulates there); the weight gradient, and everything on the torch backend, is emulated (dequantise,
-    fp32 GEMMs expert by expert). The counts are read on the host.
+    fp32 GEMMs expert by expert). The counts are read on the host. The weights are quantised once a step
+    (`fmoe.kernels.fp8_weights`); under torch.autocast from their cast to its dtype, as nn.Linear casts them.
     """
+    dtype = autocast_dtype(x_NI)
+    if dtype is not None:       # x and the bias cast as nn.Linear's; w's cast happens inside the quantised cache
+        def cast(a):
+            return None if a is None else a.to(dtype)
+        with torch.autocast(x_NI.device.type, enabled=False):
+            return _fp8_grouped_mm(cast(x_NI), w_eIO, counts_e, recipe, cast(bias_eO), activation, backend, dtype)
+    return _fp8_grouped_mm(x_NI, w_eIO, counts_e, recipe, bias_eO, activation, backend, None)
+
+
+def _fp8_grouped_mm(x_NI, w_eIO, counts_e, recipe, bias_eO, activation, backend, weight_dtype):
     checks.check_float("x_NI", x_NI, 2, "torch")
-    if activation is None:
+    if activation is None and weight_dtype is None:
         checks.check_weights("x_NI", x_NI, w_eIO, counts_e, bias_eO, "torch")
     else:       # the activation may change the width (a gated one halves it): checked once it has run
         checks.check_float("w_eIO", w_eIO, 3, "torch")
-        if w_eIO.dtype != x_NI.dtype:
+        if weight_dtype is None and w_eIO.dtype != x_NI.dtype:
             raise TypeError(f"w_eIO must have x_NI's dtype {x_NI.dtype}, got {w_eIO.dtype}")
         checks.check_index("counts_e", counts_e, (w_eIO.shape[0],), x_NI.device)
     triton = resolve_backend(x_NI, backend) == "triton"
     if triton and x_NI.is_cuda:
         check_fp8_tensor_cores(torch.cuda.get_device_capability(x_NI.device), recipe)
-    return fp8.fp8_grouped_mm(x_NI, w_eIO, counts_e, recipe, bias_eO, activation, triton)
+    return fp8.fp8_grouped_mm(x_NI, w_eIO, counts_e, recipe, bias_eO, activation, triton, weight_dtype)
 
 
 def check_fp8_tensor_cores(capability, recipe: str):

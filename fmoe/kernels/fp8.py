@@ -32,8 +32,9 @@ The emulation dequantises both operands to fp32 and multiplies in fp32 expert by
 what an FP8 tensor core computes up to the order of the fp32 sums. On Triton (a CUDA GPU with FP8
 tensor cores, or the interpreter) the three products run `fmoe.kernels.triton_fp8`: e4m3 tiles into the
 tensor cores, the scales applied to each partial in the fp32 accumulator. The master weights keep their
-dtype (the optimiser never sees FP8) and nothing quantised is kept between steps: each GEMM
-quantises its operands from the tensors autograd saved (x, or the pre-activation).
+dtype (the optimiser never sees FP8). The weights are quantised once a step and kept until they change
+(`fmoe.kernels.fp8_weights`); the activations are quantised by each GEMM from the tensors autograd saved
+(x, or the pre-activation).
 """
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -158,11 +159,11 @@ def _grouped(a_NK: torch.Tensor, b_eKO: torch.Tensor, counts: Sequence[int]) -> 
     return out
 
 
-def _quantised_product(a_NK: torch.Tensor, b_eKO: torch.Tensor, counts: Sequence[int], recipe: str,
+def _quantised_product(a_NK: torch.Tensor, qb: Quantised, counts: Sequence[int], recipe: str,
                        counts_e: Optional[torch.Tensor]) -> torch.Tensor:
-    """fp32 q(a) @ q(b[e]) per segment, both quantised along K: on Triton's FP8 kernel when `counts_e` (the
+    """fp32 q(a) @ qb[e] per segment, a quantised along K: on Triton's FP8 kernel when `counts_e` (the
     counts as a tensor on a's device) is given, else emulated (dequantised, fp32 products)."""
-    qa, qb = quantise_activation(a_NK, recipe), quantise_weight(b_eKO, recipe)
+    qa = quantise_activation(a_NK, recipe)
     if counts_e is not None:
         from fmoe.kernels.triton_fp8 import fp8_grouped_mm_rows
         return fp8_grouped_mm_rows(qa.data, qa.scale, qa.block[1], qb.data, qb.scale, qb.block, counts_e)
@@ -170,15 +171,18 @@ def _quantised_product(a_NK: torch.Tensor, b_eKO: torch.Tensor, counts: Sequence
 
 
 def forward_product(a_NI: torch.Tensor, w_eIO: torch.Tensor, counts: Sequence[int], recipe: str,
-                    counts_e: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fp32 q(a) @ q(w[e]) per segment: a in tiles along I, w along I (Triton's kernel given `counts_e`)."""
-    return _quantised_product(a_NI, w_eIO, counts, recipe, counts_e)
+                    counts_e: Optional[torch.Tensor] = None, weight_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """fp32 q(a) @ q(w[e]) per segment: a in tiles along I, w along I (Triton's kernel given `counts_e`); w
+    cast to `weight_dtype` first (None: as it is), quantised once a step (`fmoe.kernels.fp8_weights`)."""
+    from fmoe.kernels.fp8_weights import quantised_weight
+    return _quantised_product(a_NI, quantised_weight(w_eIO, recipe, False, weight_dtype), counts, recipe, counts_e)
 
 
 def input_gradient(dy_NO: torch.Tensor, w_eIO: torch.Tensor, counts: Sequence[int], recipe: str,
-                   counts_e: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   counts_e: Optional[torch.Tensor] = None, weight_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """fp32 q(dy) @ q(w[e]^T) per segment: dy in tiles along O, w^T along O (w's columns)."""
-    return _quantised_product(dy_NO, w_eIO.transpose(-1, -2), counts, recipe, counts_e)
+    from fmoe.kernels.fp8_weights import quantised_weight
+    return _quantised_product(dy_NO, quantised_weight(w_eIO, recipe, True, weight_dtype), counts, recipe, counts_e)
 
 
 def weight_gradient(a_NI: torch.Tensor, dy_NO: torch.Tensor, counts: Sequence[int], recipe: str,
@@ -238,16 +242,17 @@ class _Fp8GroupedMM(torch.autograd.Function):
     """y = q(act(x)) @ q(w[e]) + b[e] per segment, accumulated in fp32, returned in x's dtype."""
 
     @staticmethod
-    def forward(ctx, x_NI, w_eIO, bias_eO, counts, recipe, activation, counts_e=None):
+    def forward(ctx, x_NI, w_eIO, bias_eO, counts, recipe, activation, counts_e=None, weight_dtype=None):
         a_NI = x_NI if activation is None else activation(x_NI)
         if a_NI.shape[-1] != w_eIO.shape[1]:
             raise ValueError(f"fp8_grouped_mm: the GEMM's input has width {a_NI.shape[-1]}, w_eIO has "
                              f"{w_eIO.shape[1]} rows (shape {tuple(w_eIO.shape)})")
-        y = forward_product(a_NI, w_eIO, counts, recipe, counts_e)
+        y = forward_product(a_NI, w_eIO, counts, recipe, counts_e, weight_dtype)
         if bias_eO is not None:
             y += _bias_rows(bias_eO, counts, y.shape[0])
         ctx.save_for_backward(x_NI, w_eIO)
         ctx.counts, ctx.recipe, ctx.activation, ctx.counts_e = counts, recipe, activation, counts_e
+        ctx.weight_dtype = weight_dtype
         ctx.bias_dtype = None if bias_eO is None else bias_eO.dtype
         return y.to(x_NI.dtype)
 
@@ -263,30 +268,32 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 h = x_NI.detach().requires_grad_(True)
                 a_NI = activation(h)
         if ctx.needs_input_grad[0]:
-            da = input_gradient(dy_NO, w_eIO, counts, recipe, ctx.counts_e).to(a_NI.dtype)
+            da = input_gradient(dy_NO, w_eIO, counts, recipe, ctx.counts_e, ctx.weight_dtype).to(a_NI.dtype)
             dx = da if h is None else torch.autograd.grad(a_NI, h, da)[0]
         if ctx.needs_input_grad[1]:
             dw = weight_gradient(a_NI.detach(), dy_NO, counts, recipe, ctx.counts_e).to(w_eIO.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _segment_sums(dy_NO, counts).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 @torch.compiler.disable     # reads the counts on the host: under torch.compile a graph break, run eagerly
 def fp8_grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor, recipe: str,
                    bias_eO: Optional[torch.Tensor] = None, activation: Optional[Callable] = None,
-                   triton: bool = False) -> torch.Tensor:
+                   triton: bool = False, weight_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Rows in expert order, `counts_e[e]` of them for expert e: y = q(a_seg) @ q(w_eIO[e]) + bias_eO[e]
     with a = x, or `activation(x)` (then x, the pre-activation, is what the backward keeps, and the
     activation is recomputed there). Forward, input gradient and weight gradient each quantise their
     operands with `recipe` along the dimension they reduce over (module docstring), multiply in fp32
     and add the bias in fp32; y is in x's dtype, the gradients in their tensors' dtypes. Rows past
     the segments are 0. The counts are read on the host. `triton`: the three products on Triton's FP8
-    kernels (`fmoe.kernels.triton_fp8`), the quantisation in torch.
+    kernels (`fmoe.kernels.triton_fp8`), the quantisation in torch. `weight_dtype`: w is quantised from its cast
+    to it (autocast's dtype), its gradient returned in w's own dtype.
     """
     if recipe not in RECIPES:
         raise ValueError(f"fp8_grouped_mm: recipe must be one of {RECIPES}, got {recipe!r}")
     counts = tuple(int(n) for n in counts_e.tolist())
     if sum(counts) > x_NI.shape[0]:
         raise ValueError(f"counts_e sums to {sum(counts)} rows, x_NI has {x_NI.shape[0]}")
-    return _Fp8GroupedMM.apply(x_NI, w_eIO, bias_eO, counts, recipe, activation, counts_e if triton else None)
+    return _Fp8GroupedMM.apply(x_NI, w_eIO, bias_eO, counts, recipe, activation, counts_e if triton else None,
+                               weight_dtype)
