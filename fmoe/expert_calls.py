@@ -8,6 +8,8 @@ A dispatcher (`fmoe.dispatch`) hands the experts either tokens routed by a one-r
   "none". On tokens, one op does gather, MLP and weighted combine (`fmoe.kernels.routed_mlp`); on
   rows, the lean MLP weighs each row (`fmoe.kernels.weighted_mlp`). The backward keeps x, the
   pre-activation and the routing.
+- `GatherFp8Call`: stacked experts with `fp8=`: on tokens, the gather fused into the first GEMM's FP8
+  quantisation (`fmoe.kernels.fp8_gather_grouped_mm`), then the plain combine; on rows, plain.
 - `PlainCall`: everything else (user modules, an overridden `expert_fn`, `fp32_combine=True`,
   recompute="none", FastMoE's trees): rows permuted into expert order, `expert_fn`, rows summed
   back with their weights.
@@ -66,6 +68,18 @@ class LeanCall(PlainCall):
         return self.layer.experts(x_RD, counts_e, weight_R, lean=True)
 
 
+class GatherFp8Call(PlainCall):
+    """Stacked FP8 experts: on tokens, the permute's gather runs inside the first GEMM's quantiser, so the
+    rows reach the experts as FP8 and no permuted copy exists; the plain weighted combine after."""
+
+    def tokens(self, x_TD, plan, weight_TK, run=None):
+        if run is not None or not isinstance(x_TD, torch.Tensor):     # pulled (shadowed) parameters, trees
+            return super().tokens(x_TD, plan, weight_TK, run)
+        y_ND = self.checked(self.layer.experts(x_TD, plan.counts_E, rows_N=plan.token_N,
+                                               row_of_slot_TK=plan.row_of_slot_TK))
+        return kernels.unpermute(y_ND, plan, weight_TK, self.layer.backend)
+
+
 def experts_call(layer, own_expert_fn: bool) -> PlainCall:
     """Lean where the layer's experts are stacked MLPs it may weigh inside: their own forward, no
     `expert_fn` of the layer's own (`own_expert_fn`), a known activation, recompute other than
@@ -73,4 +87,9 @@ def experts_call(layer, own_expert_fn: bool) -> PlainCall:
     experts = layer.experts
     lean = (isinstance(experts, GroupedExperts) and experts.lean and type(experts).forward is GroupedExperts.forward
             and not own_expert_fn and not layer.fp32_combine)
-    return LeanCall(layer) if lean else PlainCall(layer, own_expert_fn)
+    if lean:
+        return LeanCall(layer)
+    own_forward = isinstance(experts, GroupedExperts) and type(experts).forward is GroupedExperts.forward
+    if own_forward and experts.fp8 is not None and not own_expert_fn:
+        return GatherFp8Call(layer)
+    return PlainCall(layer, own_expert_fn)

@@ -257,6 +257,8 @@ class GroupedExperts(nn.Module):
             return self.routed(x_ND, plan, weight_TK)
         if lean:
             return self.weighted(x_ND, counts_e, weight_N, rows_N, row_of_slot_TK)
+        if rows_N is not None and self.fp8 is not None:     # tokens in, rows out: the gather fused in the quantiser
+            return self.run_fp8(x_ND, counts_e, self.w1_eDF, self.w2_eFD, self.b1_eF, self.b2_eD, rows_N, row_of_slot_TK)
         return self.run(x_ND, counts_e, self.w1_eDF, self.w2_eFD, self.b1_eF, self.b2_eD)
 
     @property
@@ -290,15 +292,24 @@ class GroupedExperts(nn.Module):
         h_NF = kernels.grouped_mm(x_ND, w1_eDF, counts_e, b1_eF, self.backend)
         return kernels.grouped_mm(self.act(h_NF), w2_eFD, counts_e, b2_eD, self.backend)
 
-    def run_fp8(self, x_ND, counts_e, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None):
+    def run_fp8(self, x_ND, counts_e, w1_eDF, w2_eFD, b1_eF=None, b2_eD=None, rows_N=None, row_of_slot_TK=None):
         """The MLP as two FP8 grouped GEMMs keeping what `recompute` says: x and the pre-activation
         ("activation": the activation is recomputed inside the second GEMM's backward), x alone
-        ("experts": the whole MLP is recomputed, both GEMMs), or what autograd keeps ("none")."""
+        ("experts": the whole MLP is recomputed, both GEMMs), or what autograd keeps ("none"). Given
+        `rows_N` (and `row_of_slot_TK`), x is tokens and the first GEMM reads its rows `rows_N` as it
+        quantises them (`fmoe.kernels.fp8_gather_grouped_mm`): the permuted rows never exist."""
         def mlp(x):
-            h = kernels.fp8_grouped_mm(x, w1_eDF, counts_e, self.fp8, b1_eF, backend=self.backend)
+            if rows_N is None:
+                h = kernels.fp8_grouped_mm(x, w1_eDF, counts_e, self.fp8, b1_eF, backend=self.backend)
+            else:
+                h = kernels.fp8_gather_grouped_mm(x, rows_N, w1_eDF, counts_e, row_of_slot_TK, self.fp8, b1_eF,
+                                                  backend=self.backend)
             if self.recompute == "none":
                 return kernels.fp8_grouped_mm(self.act(h), w2_eFD, counts_e, self.fp8, b2_eD, backend=self.backend)
-            return kernels.fp8_grouped_mm(h, w2_eFD, counts_e, self.fp8, b2_eD, activation=self.act,
+            # A fused spec runs inside the quantiser on Triton (act(h) never stored), else the callable.
+            spec = fused_activation_spec(self.activation)
+            activation = spec if torch_ops.fused_activation_ok(spec) else self.act
+            return kernels.fp8_grouped_mm(h, w2_eFD, counts_e, self.fp8, b2_eD, activation=activation,
                                           backend=self.backend)
         if self.recompute == "experts" and torch.is_grad_enabled():
             return checkpoint(mlp, x_ND, use_reentrant=False)

@@ -200,7 +200,7 @@ def rel(a, b):
 def test_fp8_layer_errors_against_fp32_within_bounds(recipe, activation):
     layer, y, grads = layer_run(recipe, activation)
     _, ref_y, ref_grads = layer_run(None, activation)
-    assert type(layer.experts_call).__name__ == "PlainCall" and layer.experts.fp8 == recipe
+    assert type(layer.experts_call).__name__ == "GatherFp8Call" and layer.experts.fp8 == recipe
     assert 0 < rel(y, ref_y) < OUTPUT_BOUND
     for name, grad in grads.items():
         if name == "experts.b2_eD":     # the sum of the output's gradient: no FP8 operand in it
@@ -430,6 +430,26 @@ def test_fp8_triton_kernel_equals_the_emulation(recipe):
     assert y[35:].abs().max() == 0
     dx = fp8.input_gradient(dy, w, counts.tolist(), recipe, counts_e=counts)
     torch.testing.assert_close(dx, fp8.input_gradient(dy, w, counts.tolist(), recipe), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_mxfp8_on_the_block_scaled_mma_equals_the_emulation():
+    """MXFP8 on Blackwell's block-scaled MMA (`tl.dot_scaled`, e8m0 scale bytes; the interpreter here): forward
+    and input gradient (w^T's own quantisation, through its strides) as the emulation computes them, with K
+    (200) ending inside a 128-wide step and inside a 32-wide block."""
+    from fmoe.kernels.triton_fp8 import e8m0_bytes, fp8_grouped_mm_rows
+    torch.manual_seed(0)
+    counts = torch.tensor([10, 0, 20, 5])
+    a, w, dy = torch.randn(37, 200), torch.randn(4, 200, 72) * 0.1, torch.randn(37, 72)
+    for x, weight, want in ((a, w, fp8.forward_product(a, w, counts.tolist(), "mxfp8")),
+                            (dy, w.transpose(1, 2), fp8.input_gradient(dy, w, counts.tolist(), "mxfp8"))):
+        qx, qw = fp8.quantise_activation(x, "mxfp8"), fp8.quantise_weight(weight, "mxfp8")
+        y = fp8_grouped_mm_rows(qx.data, qx.scale, qx.block[1], qw.data, qw.scale, qw.block, counts,
+                                block_scaled=True)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    assert e8m0_bytes(torch.tensor([1.0, 0.5, 2.0 ** 127, 2.0 ** -127])).tolist() == [127, 126, 254, 0]
+    with pytest.raises(ValueError, match="block_scaled takes MXFP8's blocks"):
+        qa, qw = fp8.quantise_activation(a, "blockwise"), fp8.quantise_weight(w, "blockwise")
+        fp8_grouped_mm_rows(qa.data, qa.scale, qa.block[1], qw.data, qw.scale, qw.block, counts, block_scaled=True)
 
 
 @pytest.mark.parametrize("recipe", fp8.RECIPES)

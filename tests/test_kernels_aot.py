@@ -1,4 +1,5 @@
-"""Every Triton kernel compiled for A100 (sm_80) and H100/H200 (sm_90) on this machine, no GPU needed.
+"""Every Triton kernel compiled for A100 (sm_80) and H100/H200 (sm_90) on this machine, no GPU needed; the FP8
+kernels also for B200 (sm_100).
 
 `python -m fmoe.tools.aot` compiles each launch as the layer specialises it, every config its
 autotuner may pick, bf16, fp16 and fp32 (with and without TF32). It runs in a subprocess: the
@@ -25,8 +26,10 @@ OTHERS = {"expert_row_sums", "permute", "gather_sum", "gather_sum[weighted]", "u
 HOPPER = {"tma_grouped_mm", "tma_grouped_mm+bias", "tma_gather_grouped_mm", "tma_gather_grouped_mm+bias",
           "tma_grouped_mm[w^T]"}
 # The FP8 recipes' grouped GEMMs (fmoe.kernels.triton_fp8), forward, input gradient and weight gradient, on sm_90
-# only (FP8 tensor cores start at sm_89).
+# and sm_100 (FP8 tensor cores start at sm_89; the other dtypes are checked on sm_80 and sm_90 only).
 FP8 = {"fp8_grouped_mm", "fp8_grouped_mm[w^T]", "fp8_weight_grad"}
+# The fused FP8 row quantiser (fmoe.kernels.triton_fp8_quantise): no tensor cores, one fixed config.
+FP8_QUANTISERS = {"fp8_quantise_rows", "fp8_quantise_rows[swiglu]"}
 FP8_DTYPES = ("fp8-blockwise", "fp8-rowwise", "fp8-mxfp8")
 
 
@@ -59,12 +62,12 @@ def test_every_kernel_and_config_is_compiled_for_each_target_and_dtype(rows):
     kernels = defaultdict(set)
     for r in rows:
         kernels[r["target"], r["dtype"]].add(r["kernel"])
-    fp8 = {("sm_90", d) for d in FP8_DTYPES}
+    fp8 = {(t, d) for t in ("sm_90", "sm_100") for d in FP8_DTYPES}
     assert set(kernels) == {(t, d) for t in ("sm_80", "sm_90") for d in ("bf16", "fp16", "fp32-tf32", "fp32-ieee")} | fp8
     hopper = {("sm_90", d) for d in ("bf16", "fp16", "fp32-tf32")}
     for key, names in kernels.items():
         if key in fp8:
-            assert names == FP8, key
+            assert names == FP8 | FP8_QUANTISERS, key
             continue
         assert names == GEMMS | OTHERS | (HOPPER if key in hopper else set()), key
     failed = [f"{where(r)}: {r['error']}" for r in rows if not r["compiled"]]
@@ -75,7 +78,7 @@ def test_shared_memory_within_the_targets_block_limit(rows):
     over = [f"{where(r)}: {r['shared']} > {r['shared_limit']}" for r in rows if r["shared"] > r["shared_limit"]]
     assert not over, "\n".join(over)
     assert {r["shared_limit"] for r in rows if r["target"] == "sm_80"} == {163 * 1024}
-    assert {r["shared_limit"] for r in rows if r["target"] == "sm_90"} == {227 * 1024}
+    assert {r["shared_limit"] for r in rows if r["target"] in ("sm_90", "sm_100")} == {227 * 1024}
 
 
 def test_no_register_spills(rows):
@@ -85,17 +88,36 @@ def test_no_register_spills(rows):
 
 
 def test_gemms_use_the_tensor_cores(rows):
-    """wgmma on sm_90 and mma.sync on sm_80; fp32 without TF32 is exact, on the CUDA cores (fma)."""
-    wanted = {"sm_90": "wgmma", "sm_80": "mma.sync"}
+    """wgmma on sm_90, tcgen05.mma on sm_100 (FP8) and mma.sync on sm_80; fp32 without TF32 is exact, on the
+    CUDA cores (fma)."""
+    wanted = {"sm_100": "tcgen05", "sm_90": "wgmma", "sm_80": "mma.sync"}
     for r in rows:
         if r["kernel"] in GEMMS | FP8:
             instruction = "fma" if r["dtype"] == "fp32-ieee" else wanted[r["target"]]
             assert instruction in r["instructions"], f"{where(r)}: {r['instructions']}"
-            if r["kernel"] == "fp8_weight_grad":
+            if r["kernel"] == "fp8_weight_grad" and r["target"] == "sm_90":
                 # Its operands run along the tokens, which are not their contiguous dimension: FP8 tensor cores
                 # take both operands contiguous along the sum, so Triton stages them through registers.
                 continue
             assert "cp.async" in r["instructions"], f"{where(r)}: operands not loaded asynchronously"
+
+
+def test_fp8_quantisers_convert_to_e4m3_in_hardware(rows):
+    """The quantiser's stores come from the GPU's e4m3 conversion, for every recipe, activation fused or not."""
+    quantisers = [r for r in rows if r["kernel"] in FP8_QUANTISERS]
+    assert len(quantisers) == 2 * len(FP8_DTYPES) * len(FP8_QUANTISERS)
+    for r in quantisers:
+        assert r["compiled"] and "cvt.e4m3" in r["instructions"], f"{where(r)}: {r['instructions']}"
+
+
+def test_fp8_on_blackwell_mxfp8_runs_the_block_scaled_mma(rows):
+    """sm_100: MXFP8's forward and input gradient on tcgen05's block-scaled MMA; the other recipes (and the weight
+    gradient, whose blocks run along the tokens) on tcgen05 with the scales applied in the accumulator."""
+    blackwell = [r for r in rows if r["target"] == "sm_100" and r["kernel"] in FP8]
+    assert len(blackwell) == len(FP8_DTYPES) * len(FP8)
+    for r in blackwell:
+        scaled = r["dtype"] == "fp8-mxfp8" and r["kernel"] != "fp8_weight_grad"
+        assert ("block_scale" in r["instructions"]) == scaled, f"{where(r)}: {r['instructions']}"
 
 
 def test_the_pinned_config_is_one_per_gemm_target_and_dtype(rows):
@@ -105,7 +127,7 @@ def test_the_pinned_config_is_one_per_gemm_target_and_dtype(rows):
     for r in rows:
         if r["kernel"] in GEMMS | HOPPER | FP8 and r["pinned"]:
             pinned[r["target"], r["dtype"], r["kernel"]].append(r)
-    assert len(pinned) == 2 * 4 * len(GEMMS) + 3 * len(HOPPER) + len(FP8_DTYPES) * len(FP8)
+    assert len(pinned) == 2 * 4 * len(GEMMS) + 3 * len(HOPPER) + 2 * len(FP8_DTYPES) * len(FP8)
     assert all(len(found) == 1 and found[0]["compiled"] for found in pinned.values())
 
 

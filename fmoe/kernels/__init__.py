@@ -243,6 +243,33 @@ def _fp8_grouped_mm(x_NI, w_eIO, counts_e, recipe, bias_eO, activation, backend,
     return fp8.fp8_grouped_mm(x_NI, w_eIO, counts_e, recipe, bias_eO, activation, triton, weight_dtype)
 
 
+def fp8_gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
+                          row_of_slot_TK: torch.Tensor, recipe: str, bias_eO: Optional[torch.Tensor] = None,
+                          backend: Optional[str] = None) -> torch.Tensor:
+    """fp8_grouped_mm(permute(x_TD, plan), w_eIO, counts_e, recipe, bias_eO), given plan.token_N and
+    plan.row_of_slot_TK: the rows are gathered as they are quantised (on Triton in one pass), so they reach
+    the GEMM as FP8 and no permuted copy exists or is kept; bit-identical to permute then fp8_grouped_mm."""
+    checks.check_float("x_TD", x_TD, 2, "torch")
+    checks.check_index("token_N", token_N, (None,), x_TD.device)
+    checks.check_index("row_of_slot_TK", row_of_slot_TK, (x_TD.shape[0], None), x_TD.device)
+    dtype = autocast_dtype(x_TD)
+    if dtype is None:
+        checks.check_weights("x_TD", x_TD, w_eIO, counts_e, bias_eO, "torch")
+    else:
+        checks.check_float("w_eIO", w_eIO, 3, "torch")
+        checks.check_index("counts_e", counts_e, (w_eIO.shape[0],), x_TD.device)
+    impl = impl_for(x_TD, backend)
+    triton = resolve_backend(x_TD, backend) == "triton"
+    if triton and x_TD.is_cuda:
+        check_fp8_tensor_cores(torch.cuda.get_device_capability(x_TD.device), recipe)
+    if dtype is not None:       # as fp8_grouped_mm under autocast
+        with torch.autocast(x_TD.device.type, enabled=False):
+            return fp8.fp8_gather_grouped_mm(x_TD.to(dtype), token_N, w_eIO, counts_e, row_of_slot_TK, recipe,
+                                             None if bias_eO is None else bias_eO.to(dtype), triton, dtype, impl)
+    return fp8.fp8_gather_grouped_mm(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, recipe, bias_eO, triton,
+                                     None, impl)
+
+
 def check_fp8_tensor_cores(capability, recipe: str):
     """One line refusing FP8 GEMMs on Triton for a GPU of this (major, minor) capability without FP8 tensor cores."""
     if tuple(capability) < (8, 9):

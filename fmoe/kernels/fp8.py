@@ -159,11 +159,31 @@ def _grouped(a_NK: torch.Tensor, b_eKO: torch.Tensor, counts: Sequence[int]) -> 
     return out
 
 
-def _quantised_product(a_NK: torch.Tensor, qb: Quantised, counts: Sequence[int], recipe: str,
+def fused_quantiser_applies(x: torch.Tensor) -> bool:
+    """Whether x's rows can be quantised by the fused Triton quantiser: a GPU with e4m3 conversions (sm_89+)."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+def quantise_rows(a_NK: torch.Tensor, recipe: str, triton: bool = False, spec: Optional[str] = None,
+                  rows_N: Optional[torch.Tensor] = None) -> Quantised:
+    """act(a) (`spec` a fused activation spec, None: a itself; given `rows_N`, a's rows in that order)
+    quantised along its rows: on Triton (`fmoe.kernels.triton_fp8_quantise`: gather, activation and
+    quantisation in one pass) or in torch."""
+    if triton:
+        from fmoe.kernels.triton_fp8_quantise import quantise_rows as fused
+        return fused(a_NK, recipe, spec, rows_N)
+    if rows_N is not None:
+        a_NK = a_NK[rows_N]
+    if spec is not None:
+        from fmoe.kernels.torch_ops import apply_activation
+        a_NK = apply_activation(a_NK, spec)
+    return quantise_activation(a_NK, recipe)
+
+
+def _quantised_product(qa: Quantised, qb: Quantised, counts: Sequence[int],
                        counts_e: Optional[torch.Tensor]) -> torch.Tensor:
-    """fp32 q(a) @ qb[e] per segment, a quantised along K: on Triton's FP8 kernel when `counts_e` (the
-    counts as a tensor on a's device) is given, else emulated (dequantised, fp32 products)."""
-    qa = quantise_activation(a_NK, recipe)
+    """fp32 qa @ qb[e] per segment: on Triton's FP8 kernel when `counts_e` (the counts as a tensor on a's
+    device) is given, else emulated (dequantised, fp32 products)."""
     if counts_e is not None:
         from fmoe.kernels.triton_fp8 import fp8_grouped_mm_rows
         return fp8_grouped_mm_rows(qa.data, qa.scale, qa.block[1], qb.data, qb.scale, qb.block, counts_e)
@@ -171,18 +191,22 @@ def _quantised_product(a_NK: torch.Tensor, qb: Quantised, counts: Sequence[int],
 
 
 def forward_product(a_NI: torch.Tensor, w_eIO: torch.Tensor, counts: Sequence[int], recipe: str,
-                    counts_e: Optional[torch.Tensor] = None, weight_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """fp32 q(a) @ q(w[e]) per segment: a in tiles along I, w along I (Triton's kernel given `counts_e`); w
-    cast to `weight_dtype` first (None: as it is), quantised once a step (`fmoe.kernels.fp8_weights`)."""
+                    counts_e: Optional[torch.Tensor] = None, weight_dtype: Optional[torch.dtype] = None,
+                    spec: Optional[str] = None) -> torch.Tensor:
+    """fp32 q(a) @ q(w[e]) per segment: a in tiles along I (act(a) given a fused activation `spec`), w along I
+    (Triton's kernels given `counts_e`); w cast to `weight_dtype` first (None: as it is), quantised once a
+    step (`fmoe.kernels.fp8_weights`)."""
     from fmoe.kernels.fp8_weights import quantised_weight
-    return _quantised_product(a_NI, quantised_weight(w_eIO, recipe, False, weight_dtype), counts, recipe, counts_e)
+    qa = quantise_rows(a_NI, recipe, counts_e is not None, spec)
+    return _quantised_product(qa, quantised_weight(w_eIO, recipe, False, weight_dtype), counts, counts_e)
 
 
 def input_gradient(dy_NO: torch.Tensor, w_eIO: torch.Tensor, counts: Sequence[int], recipe: str,
                    counts_e: Optional[torch.Tensor] = None, weight_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """fp32 q(dy) @ q(w[e]^T) per segment: dy in tiles along O, w^T along O (w's columns)."""
     from fmoe.kernels.fp8_weights import quantised_weight
-    return _quantised_product(dy_NO, quantised_weight(w_eIO, recipe, True, weight_dtype), counts, recipe, counts_e)
+    qd = quantise_rows(dy_NO, recipe, counts_e is not None)
+    return _quantised_product(qd, quantised_weight(w_eIO, recipe, True, weight_dtype), counts, counts_e)
 
 
 def weight_gradient(a_NI: torch.Tensor, dy_NO: torch.Tensor, counts: Sequence[int], recipe: str,
@@ -243,11 +267,23 @@ class _Fp8GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_NI, w_eIO, bias_eO, counts, recipe, activation, counts_e=None, weight_dtype=None):
-        a_NI = x_NI if activation is None else activation(x_NI)
-        if a_NI.shape[-1] != w_eIO.shape[1]:
-            raise ValueError(f"fp8_grouped_mm: the GEMM's input has width {a_NI.shape[-1]}, w_eIO has "
+        # A fused activation spec on Triton: applied inside the quantiser, act(x) never stored.
+        fused = counts_e is not None and isinstance(activation, str)
+        if isinstance(activation, str):
+            from fmoe.kernels.torch_ops import activation_vjp
+            from fmoe.kernels.triton_lean import activation_width
+            width = activation_width(activation, x_NI.shape[-1])
+            a_NI = None if fused else activation_vjp(x_NI, activation)[0]
+        else:
+            a_NI = x_NI if activation is None else activation(x_NI)
+            width = a_NI.shape[-1]
+        if width != w_eIO.shape[1]:
+            raise ValueError(f"fp8_grouped_mm: the GEMM's input has width {width}, w_eIO has "
                              f"{w_eIO.shape[1]} rows (shape {tuple(w_eIO.shape)})")
-        y = forward_product(a_NI, w_eIO, counts, recipe, counts_e, weight_dtype)
+        if fused:
+            y = forward_product(x_NI, w_eIO, counts, recipe, counts_e, weight_dtype, spec=activation)
+        else:
+            y = forward_product(a_NI, w_eIO, counts, recipe, counts_e, weight_dtype)
         if bias_eO is not None:
             y += _bias_rows(bias_eO, counts, y.shape[0])
         ctx.save_for_backward(x_NI, w_eIO)
@@ -263,18 +299,77 @@ class _Fp8GroupedMM(torch.autograd.Function):
         dx = dw = db = None
         if activation is None:
             h, a_NI = None, x_NI
+        elif isinstance(activation, str):       # a fused spec: recomputed with its vjp, as the lean path
+            from fmoe.kernels.torch_ops import activation_vjp
+            h = None
+            a_NI, vjp = activation_vjp(x_NI, activation)
         else:       # the activation recomputed from the saved pre-activation, as the forward ran it
             with torch.enable_grad(), torch.autocast(x_NI.device.type, enabled=False):
                 h = x_NI.detach().requires_grad_(True)
                 a_NI = activation(h)
         if ctx.needs_input_grad[0]:
             da = input_gradient(dy_NO, w_eIO, counts, recipe, ctx.counts_e, ctx.weight_dtype).to(a_NI.dtype)
-            dx = da if h is None else torch.autograd.grad(a_NI, h, da)[0]
+            if isinstance(activation, str):
+                dx = vjp(da)
+            else:
+                dx = da if h is None else torch.autograd.grad(a_NI, h, da)[0]
         if ctx.needs_input_grad[1]:
             dw = weight_gradient(a_NI.detach(), dy_NO, counts, recipe, ctx.counts_e).to(w_eIO.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _segment_sums(dy_NO, counts).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None
+
+
+class _Fp8GatherGroupedMM(torch.autograd.Function):
+    """y = q(x[token_N]) @ q(w[e]) + b[e] per segment: the permute's gather runs inside the quantisation, so
+    the rows reach the GEMM as FP8 and no permuted copy of x exists or is kept for the backward; x's
+    gradient is summed back per token as the permute's backward sums it (bit-identical)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, w_eIO, bias_eO, token_N, row_of_slot_TK, counts, recipe, counts_e, weight_dtype, impl):
+        from fmoe.kernels.fp8_weights import quantised_weight
+        if x_TD.shape[-1] != w_eIO.shape[1]:
+            raise ValueError(f"fp8_gather_grouped_mm: x_TD has width {x_TD.shape[-1]}, w_eIO has {w_eIO.shape[1]} rows "
+                             f"(shape {tuple(w_eIO.shape)})")
+        qa = quantise_rows(x_TD, recipe, counts_e is not None, rows_N=token_N)
+        y = _quantised_product(qa, quantised_weight(w_eIO, recipe, False, weight_dtype), counts, counts_e)
+        if bias_eO is not None:
+            y += _bias_rows(bias_eO, counts, y.shape[0])
+        ctx.save_for_backward(x_TD, w_eIO, token_N, row_of_slot_TK)
+        ctx.counts, ctx.recipe, ctx.counts_e, ctx.weight_dtype, ctx.impl = counts, recipe, counts_e, weight_dtype, impl
+        ctx.bias_dtype = None if bias_eO is None else bias_eO.dtype
+        return y.to(x_TD.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_NO):
+        from fmoe.kernels.ops import gather_sum
+        x_TD, w_eIO, token_N, row_of_slot_TK = ctx.saved_tensors
+        counts, recipe = ctx.counts, ctx.recipe
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            da = input_gradient(dy_NO, w_eIO, counts, recipe, ctx.counts_e, ctx.weight_dtype).to(x_TD.dtype)
+            dx = gather_sum(da, row_of_slot_TK, None, ctx.impl)
+        if ctx.needs_input_grad[1]:     # the rows gathered again, for this product only
+            dw = weight_gradient(x_TD[token_N], dy_NO, counts, recipe, ctx.counts_e).to(w_eIO.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = _segment_sums(dy_NO, counts).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None, None, None, None
+
+
+@torch.compiler.disable     # reads the counts on the host: under torch.compile a graph break, run eagerly
+def fp8_gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tensor,
+                          row_of_slot_TK: torch.Tensor, recipe: str, bias_eO: Optional[torch.Tensor] = None,
+                          triton: bool = False, weight_dtype: Optional[torch.dtype] = None,
+                          impl: str = "torch") -> torch.Tensor:
+    """fp8_grouped_mm(x_TD[token_N], ...) with the gather inside the quantisation (`_Fp8GatherGroupedMM`);
+    `impl` sums x's gradient back per token (`fmoe.kernels.ops.gather_sum`)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8_gather_grouped_mm: recipe must be one of {RECIPES}, got {recipe!r}")
+    counts = tuple(int(n) for n in counts_e.tolist())
+    if sum(counts) > token_N.shape[0]:
+        raise ValueError(f"counts_e sums to {sum(counts)} rows, token_N has {token_N.shape[0]}")
+    return _Fp8GatherGroupedMM.apply(x_TD, w_eIO, bias_eO, token_N, row_of_slot_TK, counts, recipe,
+                                     counts_e if triton else None, weight_dtype, impl)
 
 
 @torch.compiler.disable     # reads the counts on the host: under torch.compile a graph break, run eagerly
@@ -283,11 +378,13 @@ def fp8_grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tens
                    triton: bool = False, weight_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Rows in expert order, `counts_e[e]` of them for expert e: y = q(a_seg) @ q(w_eIO[e]) + bias_eO[e]
     with a = x, or `activation(x)` (then x, the pre-activation, is what the backward keeps, and the
-    activation is recomputed there). Forward, input gradient and weight gradient each quantise their
+    activation is recomputed there; a fused activation spec (`fmoe.kernels.torch_ops.parse_activation`)
+    runs inside the quantiser on Triton, act(x) never stored). Forward, input gradient and weight gradient each quantise their
     operands with `recipe` along the dimension they reduce over (module docstring), multiply in fp32
     and add the bias in fp32; y is in x's dtype, the gradients in their tensors' dtypes. Rows past
     the segments are 0. The counts are read on the host. `triton`: the three products on Triton's FP8
-    kernels (`fmoe.kernels.triton_fp8`), the quantisation in torch. `weight_dtype`: w is quantised from its cast
+    kernels (`fmoe.kernels.triton_fp8`), the rows quantised in one pass (`fmoe.kernels.triton_fp8_quantise`),
+    the weight gradient's tiles along the tokens in torch. `weight_dtype`: w is quantised from its cast
     to it (autocast's dtype), its gradient returned in w's own dtype.
     """
     if recipe not in RECIPES:

@@ -29,11 +29,13 @@ def _fp8_grouped_mm_kernel(
     stride_an, stride_ak, stride_asn, stride_ask,
     stride_be, stride_bk, stride_bo, stride_bse, stride_bsk, stride_bso,
     stride_yn, stride_yo,
-    A_TILE: tl.constexpr, B_TILE_K: tl.constexpr, B_TILE_O: tl.constexpr,
+    A_TILE: tl.constexpr, B_TILE_K: tl.constexpr, B_TILE_O: tl.constexpr, BLOCK_SCALED: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """y[r] = sum over K of a[r, k] * a_scale[r, k // A_TILE] * b[e, k, o] * b_scale[e, k // B_TILE_K, o // B_TILE_O]
-    for each row r of expert e's segment. A_TILE / B_TILE_K of 0: one scale along the whole of K."""
+    for each row r of expert e's segment. A_TILE / B_TILE_K of 0: one scale along the whole of K. BLOCK_SCALED
+    (MXFP8: 32-wide blocks on both sides, scales as e8m0 bytes): the tensor cores apply the scales themselves
+    (`tl.dot_scaled`, Blackwell's block-scaled MMA), BLOCK_K spanning several blocks."""
     num_tiles_m = tl.cdiv(N, BLOCK_M) + E
     pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(O, BLOCK_N), GROUP_M)
     e, rows, row_ok, live = _row_tile(counts_ptr, pid_m, N, E, E_POW2, BLOCK_M)
@@ -52,7 +54,16 @@ def _fp8_grouped_mm_kernel(
         k_ok = ks < K - k
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if A_TILE == 0 and B_TILE_K == 0:
+        if BLOCK_SCALED:
+            blocks = k // 32 + tl.arange(0, BLOCK_K // 32)
+            block_ok = blocks < tl.cdiv(K, 32)
+            # e8m0 127 is a scale of 1: the blocks past K hold zeros anyway.
+            a_s = tl.load(a_scale_rows[:, None] + blocks[None, :] * stride_ask,
+                          mask=row_ok[:, None] & block_ok[None, :], other=127)
+            b_s = tl.load(b_scale_cols[:, None] + blocks[None, :] * stride_bsk,
+                          mask=col_ok[:, None] & block_ok[None, :], other=127)
+            acc = tl.dot_scaled(a, a_s, "e4m3", b, b_s, "e4m3", acc)
+        elif A_TILE == 0 and B_TILE_K == 0:
             acc = tl.dot(a, b, acc)
         else:
             part = tl.dot(a, b)
@@ -63,9 +74,9 @@ def _fp8_grouped_mm_kernel(
             acc += part
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    if A_TILE == 0:
+    if A_TILE == 0 and not BLOCK_SCALED:
         acc *= tl.load(a_scale_rows, mask=row_ok, other=0.0)[:, None]
-    if B_TILE_K == 0:
+    if B_TILE_K == 0 and not BLOCK_SCALED:
         acc *= tl.load(b_scale_cols, mask=col_ok, other=0.0)[None, :]
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_yn + cols[None, :] * stride_yo
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -92,9 +103,11 @@ def block_k_for(a_tile: int, b_tile_k: int) -> int:
     return min([128] + tiles)
 
 
-def fp8_grouped_mm_launch(a_q, a_scale, a_tile, b_q, b_scale, b_tile, counts_e, y_NO, interpreter: bool = False):
+def fp8_grouped_mm_launch(a_q, a_scale, a_tile, b_q, b_scale, b_tile, counts_e, y_NO, interpreter: bool = False,
+                          block_scaled: bool = False):
     """(kernel, args, constexprs) of one launch: `a_q` [N, K] e4m3 with `a_scale` [N, K / a_tile] fp32,
-    `b_q` [E, K, O] e4m3 (any strides) with `b_scale` [E, K / b_tile[0], O / b_tile[1]] fp32, into y_NO."""
+    `b_q` [E, K, O] e4m3 (any strides) with `b_scale` [E, K / b_tile[0], O / b_tile[1]] fp32, into y_NO.
+    `block_scaled`: MXFP8 (32-wide blocks both sides) on the block-scaled MMA, the scales as e8m0 bytes (uint8)."""
     N, K = a_q.shape
     O = b_q.shape[-1]
     E = counts_e.shape[0]
@@ -104,24 +117,50 @@ def fp8_grouped_mm_launch(a_q, a_scale, a_tile, b_q, b_scale, b_tile, counts_e, 
             raise ValueError(f"fp8_grouped_mm_launch: {name}={tile} must be a power of two >= 16 (or the whole of K)")
     args = (a_q, a_scale, b_q, b_scale, y_NO, counts_e, N, K, O, E,
             *a_q.stride(), *a_scale.stride(), *b_q.stride(), *b_scale.stride(), *y_NO.stride())
-    step = block_k_for(A_TILE, B_TILE_K)
-    config = dict(INTERPRETER_CONFIG, BLOCK_K=min(step, 32)) if interpreter else dict(CONFIGS[step].kwargs)
-    constexprs = dict(A_TILE=A_TILE, B_TILE_K=B_TILE_K, B_TILE_O=B_TILE_O,
+    if block_scaled and (A_TILE, B_TILE_K, B_TILE_O) != (32, 32, 1):
+        raise ValueError("fp8_grouped_mm_launch: block_scaled takes MXFP8's blocks (a_tile 32, b_tile (32, 1)), "
+                         f"got a_tile={a_tile}, b_tile={b_tile}")
+    # The block-scaled MMA takes several 32-wide blocks a step, as the blockwise recipe's 128.
+    step = 128 if block_scaled else block_k_for(A_TILE, B_TILE_K)
+    config = dict(INTERPRETER_CONFIG, BLOCK_K=min(step, 64)) if interpreter else dict(CONFIGS[step].kwargs)
+    constexprs = dict(A_TILE=A_TILE, B_TILE_K=B_TILE_K, B_TILE_O=B_TILE_O, BLOCK_SCALED=block_scaled,
                       E_POW2=triton.next_power_of_2(max(E, 1)), **config)
     options = {} if interpreter else {"num_warps": CONFIGS[step].num_warps, "num_stages": CONFIGS[step].num_stages}
     return _fp8_grouped_mm_kernel, args, constexprs, options
 
 
-def fp8_grouped_mm_rows(a_q, a_scale, a_tile, b_q, b_scale, b_tile, counts_e, out_dtype=torch.float32):
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scales (e8m0, or fp32 powers of two) as e8m0's bytes: the biased exponent, 127 for 1."""
+    if scale.dtype == torch.uint8:
+        return scale
+    if scale.element_size() == 1:           # torch.float8_e8m0fnu
+        return scale.view(torch.uint8)
+    return (torch.frexp(scale.float())[1] + 126).to(torch.uint8)
+
+
+def block_scaled_applies(a_tile, b_tile, device: torch.device) -> bool:
+    """Whether MXFP8 runs on the block-scaled MMA: its 32-wide blocks, on a Blackwell GPU (sm_100+). Hopper has no
+    such MMA (Triton would emulate it in bf16), so there the scales are applied in the accumulator instead."""
+    return ((a_tile, tuple(b_tile)) == (32, (32, 1)) and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 10)
+
+
+def fp8_grouped_mm_rows(a_q, a_scale, a_tile, b_q, b_scale, b_tile, counts_e, out_dtype=torch.float32,
+                        block_scaled=None):
     """y [N, O] = per expert segment, q(a) @ q(b[e]) with the scales applied in the fp32 accumulator; rows past
-    the segments are 0. Scales in e8m0 (MXFP8) are read as the fp32 powers of two they are."""
+    the segments are 0. Scales in e8m0 (MXFP8) are read as the fp32 powers of two they are. `block_scaled`
+    (None: `block_scaled_applies`): MXFP8 on the block-scaled MMA, the tensor cores applying the scales."""
     from fmoe.kernels.triton_grouped_mm import interpreting
     N, O = a_q.shape[0], b_q.shape[-1]
     y_NO = torch.zeros(N, O, dtype=out_dtype, device=a_q.device)
     if N == 0 or O == 0:
         return y_NO
+    if block_scaled is None:
+        block_scaled = block_scaled_applies(a_tile, b_tile, a_q.device)
+    convert = e8m0_bytes if block_scaled else (lambda scale: scale.float())
     kernel, args, constexprs, options = fp8_grouped_mm_launch(
-        a_q, a_scale.float(), a_tile, b_q, b_scale.float(), b_tile, counts_e, y_NO, interpreter=interpreting())
+        a_q, convert(a_scale), a_tile, b_q, convert(b_scale), b_tile, counts_e, y_NO, interpreter=interpreting(),
+        block_scaled=block_scaled)
     num_m = triton.cdiv(N, constexprs["BLOCK_M"]) + counts_e.shape[0]
     grid = (num_m * triton.cdiv(O, constexprs["BLOCK_N"]),)
     kernel[grid](*args, **constexprs, **options)
@@ -179,9 +218,20 @@ WGRAD_CONFIGS = {64: triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 6
                                    num_stages=3),
                  32: triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8,
                                    num_stages=4)}
+# Blackwell (sm_100) keeps the accumulator in tensor memory and brings each scaled partial through registers:
+# 128 x 128 tiles spill there (60 bytes blockwise, 36 MXFP8; `make aot`), 64 x 128 ones do not.
+WGRAD_CONFIGS_BLACKWELL = {
+    64: triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+    32: triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=3)}
 
 
-def fp8_weight_grad_launch(a_q, a_scale, dy_q, dy_scale, tile: int, counts_e, dw_eIO, interpreter: bool = False):
+def wgrad_configs(capability_major: int) -> dict:
+    """The weight-gradient kernel's configs for a GPU of this major compute capability."""
+    return WGRAD_CONFIGS_BLACKWELL if capability_major >= 10 else WGRAD_CONFIGS
+
+
+def fp8_weight_grad_launch(a_q, a_scale, dy_q, dy_scale, tile: int, counts_e, dw_eIO, interpreter: bool = False,
+                           capability_major: int = 9):
     """(kernel, args, constexprs, options, grid) of one weight-gradient launch: `a_q` [N, I] and `dy_q` [N, O] e4m3
     (rows in expert order), `a_scale` [E, I, S] and `dy_scale` [E, S, O] fp32, S the most tiles of a segment; `tile` rows per tile from each segment's start (0: the whole segment)."""
     N, I = a_q.shape
@@ -190,12 +240,12 @@ def fp8_weight_grad_launch(a_q, a_scale, dy_q, dy_scale, tile: int, counts_e, dw
     if tile and (tile & (tile - 1) or tile < 16):
         raise ValueError(f"fp8_weight_grad_launch: tile={tile} must be a power of two >= 16 (or 0: the segment)")
     step = 32 if tile == 32 else 64
-    config = dict(INTERPRETER_CONFIG, BLOCK_K=32) if interpreter else dict(WGRAD_CONFIGS[step].kwargs)
+    pinned = wgrad_configs(capability_major)[step]
+    config = dict(INTERPRETER_CONFIG, BLOCK_K=32) if interpreter else dict(pinned.kwargs)
     args = (a_q, a_scale, dy_q, dy_scale, dw_eIO, counts_e, N, I, O, E, S, *a_q.stride(), *a_scale.stride(),
             *dy_q.stride(), *dy_scale.stride(), *dw_eIO.stride())
     constexprs = dict(TILE=tile, E_POW2=triton.next_power_of_2(max(E, 1)), **config)
-    options = {} if interpreter else {"num_warps": WGRAD_CONFIGS[step].num_warps,
-                                      "num_stages": WGRAD_CONFIGS[step].num_stages}
+    options = {} if interpreter else {"num_warps": pinned.num_warps, "num_stages": pinned.num_stages}
     grid = (triton.cdiv(I, config["BLOCK_M"]) * triton.cdiv(O, config["BLOCK_N"]), E)
     return _fp8_weight_grad_kernel, args, constexprs, options, grid
 
@@ -207,16 +257,19 @@ def fp8_weight_grad(a_q, a_scale, dy_q, dy_scale, tile: int, counts_e) -> torch.
     dw = torch.zeros(E, I, O, dtype=torch.float32, device=a_q.device)
     if E == 0 or I == 0 or O == 0:
         return dw
+    major = torch.cuda.get_device_capability(a_q.device)[0] if a_q.is_cuda else 9
     kernel, args, constexprs, options, grid = fp8_weight_grad_launch(a_q, a_scale, dy_q, dy_scale, tile, counts_e,
-                                                                     dw, interpreter=interpreting())
+                                                                     dw, interpreter=interpreting(),
+                                                                     capability_major=major)
     kernel[grid](*args, **constexprs, **options)
     return dw
 
 
-def aot_launches(a_tile, b_tile, shape: dict, device: str = "meta"):
+def aot_launches(a_tile, b_tile, shape: dict, device: str = "meta", target: int = 90):
     """(name, kernel, args, constexprs, config) of the FP8 launches a layer makes with a recipe's activation
     tile `a_tile` and weight block `b_tile` (`fmoe.kernels.fp8.ACTIVATION_TILE` / `WEIGHT_BLOCK`) at `shape`
-    (T, D, F, E, K: tokens, widths, experts, top-k), on `device` tensors, for `fmoe.tools.aot`: the up
+    (T, D, F, E, K: tokens, widths, experts, top-k), on `device` tensors, for `fmoe.tools.aot` and a GPU of
+    compute capability `target` (its weight-gradient config): the up
     projection's forward ([N, D] @ [E, D, F]), its input gradient ([N, F] @ w^T, read through strides) and
     its weight gradient (x^T @ dy per expert)."""
     T, D, F, E, K = (shape[k] for k in ("T", "D", "F", "E", "K"))
@@ -231,20 +284,24 @@ def aot_launches(a_tile, b_tile, shape: dict, device: str = "meta"):
 
     counts_e = empty(E, dt=torch.int64)
     e4m3 = torch.float8_e4m3fn
+    # MXFP8 on Blackwell: the block-scaled MMA, scales as e8m0 bytes (as `block_scaled_applies` picks at run time).
+    block_scaled = target >= 100 and (a_tile, tuple(b_tile)) == (32, (32, 1))
+    scale_dtype = torch.uint8 if block_scaled else torch.float32
     out = []
     for name, (k_dim, o_dim, transposed) in (("fp8_grouped_mm", (D, F, False)), ("fp8_grouped_mm[w^T]", (F, D, True))):
-        a_q, a_scale = empty(N, k_dim, dt=e4m3), empty(N, *scales(1, k_dim, (1, a_tile))[1:])
+        a_q, a_scale = empty(N, k_dim, dt=e4m3), empty(N, *scales(1, k_dim, (1, a_tile))[1:], dt=scale_dtype)
         w = empty(E, o_dim, k_dim, dt=e4m3).transpose(1, 2) if transposed else empty(E, k_dim, o_dim, dt=e4m3)
-        w_scale = empty(E, *scales(k_dim, o_dim, b_tile))
+        w_scale = empty(E, *scales(k_dim, o_dim, b_tile), dt=scale_dtype)
         kernel, args, constexprs, options = fp8_grouped_mm_launch(a_q, a_scale, a_tile, w, w_scale, b_tile, counts_e,
-                                                                  empty(N, o_dim, dt=torch.bfloat16))
+                                                                  empty(N, o_dim, dt=torch.bfloat16),
+                                                                  block_scaled=block_scaled)
         blocks = {k: constexprs.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
         out.append((name, kernel, args, constexprs, triton.Config(blocks, **options)))
     # The up projection's weight gradient: x [N, D] and dy [N, F] along the tokens, S tiles a segment at most.
     S = 1 if a_tile is None else triton.cdiv(N, a_tile)
     kernel, args, constexprs, options, _ = fp8_weight_grad_launch(
         empty(N, D, dt=e4m3), empty(E, D, S), empty(N, F, dt=e4m3), empty(E, S, F), a_tile or 0, counts_e,
-        empty(E, D, F))
+        empty(E, D, F), capability_major=target // 10)
     blocks = {k: constexprs.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
     out.append(("fp8_weight_grad", kernel, args, constexprs, triton.Config(blocks, **options)))
     return out

@@ -45,15 +45,17 @@ except ImportError as err:
     create_function_from_signature = None
     COMPILER_IMPORT_ERROR = err
 
-from fmoe.kernels import fp8, triton_fp8
+from fmoe.kernels import fp8, triton_fp8, triton_fp8_quantise
 from fmoe.kernels import triton_grouped_mm as gmm
 from fmoe.kernels import triton_grouped_mm_tma as tma
 from fmoe.kernels import triton_lean as lean
 from fmoe.kernels import triton_permute as perm
 
 # Per-block shared memory each target allows (opt-in maximum), in bytes.
-SHARED_LIMIT = {70: 96 * 1024, 80: 163 * 1024, 90: 227 * 1024}
+SHARED_LIMIT = {70: 96 * 1024, 80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 TARGETS = tuple(SHARED_LIMIT)
+# Blackwell (sm_100) is checked for the FP8 kernels only: the bf16/fp16/fp32 set is Ampere's and Hopper's.
+FP8_ONLY_TARGETS = (100,)
 # The dtypes checked: fp32 once with TF32 allowed, once without (exact, CUDA cores).
 DTYPES = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False),
           "fp32-tf32": (torch.float32, True), "fp32-ieee": (torch.float32, False)}
@@ -63,7 +65,8 @@ FP8_MIN_TARGET = 89
 # Mixtral-8x7B experts: tokens, model width, expert width, experts, top-k.
 SHAPE = dict(T=4096, D=4096, F=14336, E=8, K=2)
 INSTRUCTIONS = {"wgmma": "wgmma.mma_async", "mma.sync": "mma.sync", "cp.async": "cp.async.",
-                "cp.async.bulk.tensor": "cp.async.bulk.tensor", "fma": "fma.rn.f32"}
+                "cp.async.bulk.tensor": "cp.async.bulk.tensor", "fma": "fma.rn.f32",
+                "cvt.e4m3": "e4m3x2.f32", "tcgen05": "tcgen05.mma", "block_scale": "block_scale"}        # the hardware's conversion to e4m3 (the FP8 quantiser's stores)
 # Opcodes looked for in the SASS of the Hopper (TMA) kernel, disassembled by the wheel's cuobjdump:
 # the copy engine's loads and stores, wgmma, cp.async (LDGSTS) and local-memory spills.
 SASS_OPCODES = ("UTMALDG", "UTMASTG", "HGMMA", "HMMA", "LDGSTS", "LDL", "STL")
@@ -223,6 +226,7 @@ def _cached_compile(src: ASTSource, cc: int, options: dict, sass: bool = False) 
     backend = make_backend(target)
     key = get_cache_key(src, backend, backend.parse_options(options), env_vars=get_cache_invalidating_env_vars())
     key += "+sass" if sass else ""
+    key += "+" + ",".join(sorted(INSTRUCTIONS.values()))      # what a row reports changes with what is looked for
     path = os.path.join(_cache_dir(), hashlib.sha256(key.encode()).hexdigest() + ".json")
     if os.path.exists(path):
         with open(path) as f:
@@ -250,7 +254,7 @@ def _check_args(targets, dtypes):
         raise ValueError("the AOT check compiles for GPUs: unset TRITON_INTERPRET (it makes triton.jit interpret)")
 
 
-def report(targets=(80, 90), dtypes=tuple(DTYPES) + tuple(FP8_DTYPES), jobs: int = 1) -> list:
+def report(targets=(80, 90, 100), dtypes=tuple(DTYPES) + tuple(FP8_DTYPES), jobs: int = 1) -> list:
     """One dict per (target, dtype, kernel launch, config): what compiling it for that GPU gives.
 
     Keys: target (sm_XX), dtype, kernel (the launch's name), config (BLOCK_* / warps / stages;
@@ -275,12 +279,19 @@ def _report_fp8(cc: int, dtype_name: str) -> list:
     rows = []
     recipe = FP8_DTYPES[dtype_name]
     for name, kernel, args, constexprs, config in triton_fp8.aot_launches(fp8.ACTIVATION_TILE[recipe],
-                                                                          fp8.WEIGHT_BLOCK[recipe], SHAPE):
+                                                                          fp8.WEIGHT_BLOCK[recipe], SHAPE, target=cc):
         options = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
         src, parsed = _source(kernel, args, constexprs, options, backend)
         row = {"target": f"sm_{cc}", "dtype": dtype_name, "kernel": name,
                "config": {**config.kwargs, "warps": parsed.num_warps, "stages": parsed.num_stages},
                "pinned": True, "shared_limit": SHARED_LIMIT[cc]}
+        row.update(_cached_compile(src, cc, {"num_warps": parsed.num_warps, "num_stages": parsed.num_stages}))
+        rows.append(row)
+    # The fused row quantiser (no tensor cores: "fixed", one config).
+    for name, kernel, args, constexprs in triton_fp8_quantise.aot_launches(recipe, SHAPE):
+        src, parsed = _source(kernel, args, constexprs, triton_fp8_quantise.OPTIONS, backend)
+        row = {"target": f"sm_{cc}", "dtype": dtype_name, "kernel": name, "config": "fixed", "pinned": True,
+               "shared_limit": SHARED_LIMIT[cc]}
         row.update(_cached_compile(src, cc, {"num_warps": parsed.num_warps, "num_stages": parsed.num_stages}))
         rows.append(row)
     return rows
@@ -289,6 +300,8 @@ def _report_fp8(cc: int, dtype_name: str) -> list:
 def _report_pair(cc: int, dtype_name: str) -> list:
     if dtype_name in FP8_DTYPES:
         return _report_fp8(cc, dtype_name)
+    if cc in FP8_ONLY_TARGETS:
+        return []
     backend = make_backend(GPUTarget("cuda", cc, 32))
     generation = gmm.generation_of(cc // 10)
     dtype, tf32 = DTYPES[dtype_name]
@@ -349,11 +362,13 @@ def problems(rows: list) -> list:
             continue
         if r["shared"] > r["shared_limit"]:
             found.append(f"{where}: needs {r['shared']} bytes of shared memory, the limit is {r['shared_limit']}")
-        if r["target"] in ("sm_80", "sm_90") and (r["spill_stores"] or r["spill_loads"]):
+        if r["target"] in ("sm_80", "sm_90", "sm_100") and (r["spill_stores"] or r["spill_loads"]):
             found.append(f"{where}: spills {r['spill_stores']} bytes (stores), {r['spill_loads']} (loads)")
         if (r["target"] == "sm_90" and r["config"] != "fixed" and r["dtype"] != "fp32-ieee"
                 and "wgmma" not in r["instructions"]):
             found.append(f"{where}: no wgmma in the PTX")
+        if r["target"] == "sm_100" and r["config"] != "fixed" and "tcgen05" not in r["instructions"]:
+            found.append(f"{where}: no tcgen05.mma (Blackwell's tensor cores) in the PTX")
         if r["kernel"].startswith("tma_"):
             if "cp.async.bulk.tensor" not in r["instructions"]:
                 found.append(f"{where}: no cp.async.bulk.tensor (TMA) in the PTX")
@@ -394,7 +409,7 @@ def format_rows(rows: list):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fmoe.tools.aot", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write the report (JSON) here; default: print the table only")
-    p.add_argument("--targets", default="80,90",
+    p.add_argument("--targets", default="80,90,100",
                    help=f"compute capabilities, comma-separated, among {TARGETS} (default: %(default)s)")
     p.add_argument("--dtypes", default=",".join([*DTYPES, *FP8_DTYPES]), help="comma-separated (default: %(default)s)")
     p.add_argument("--jobs", type=int, default=1,
