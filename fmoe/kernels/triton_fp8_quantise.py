@@ -11,8 +11,9 @@ bounds it); without an activation the result is torch's, bit for bit.
 
 Unfused, the second GEMM's input costs an activation kernel (read h, write a), then the quantiser's
 passes over a (amax, divide, convert); fused, it is one read of h and one write of 1-byte data and
-the scales (`bytes_moved`). A tile is one program's columns (BLOCK_K = the tile); rowwise's whole-row
-scale takes a program per row block that walks the row twice (amax, then quantise).
+the scales (`benchmarks/bench_fp8_quantise.py` counts both). A tile is one program's columns (BLOCK_K =
+the tile); rowwise's whole-row scale takes a program per row block that walks the row twice (amax,
+then quantise; the second walk re-reads what the first brought into cache).
 """
 import torch
 import triton
@@ -63,6 +64,17 @@ def _tile_scale(amax, POW2: tl.constexpr):
 
 
 @triton.jit
+def _stored_scale(scale, SCALE_BYTES: tl.constexpr):
+    """The scale as stored: fp32, or with SCALE_BYTES e8m0's byte (a power of two's biased exponent; 2^-127,
+    fp32's subnormal, is byte 0)."""
+    if SCALE_BYTES:
+        stored = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+    else:
+        stored = scale
+    return stored
+
+
+@triton.jit
 def _to_e4m3(a, scale):
     """e4m3(clamp(a / scale, +-448)), rounded to nearest even in fp32 first: adding and taking away 2^(e+20)
     (e: the binade, at least e4m3's smallest normal one, -6) leaves a multiple of the e4m3 step 2^(e-3),
@@ -79,7 +91,7 @@ def _to_e4m3(a, scale):
 def _quantise_rows_kernel(
     h_ptr, rows_ptr, q_ptr, scale_ptr, N, K, alpha, limit,
     stride_hn, stride_hk, stride_qn, stride_qk, stride_sn, stride_sk,
-    TILE: tl.constexpr, POW2: tl.constexpr, GATHER: tl.constexpr,
+    TILE: tl.constexpr, POW2: tl.constexpr, SCALE_BYTES: tl.constexpr, GATHER: tl.constexpr,
     KIND: tl.constexpr, ACT: tl.constexpr, GATE_STEP: tl.constexpr, UP_OFFSET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -102,7 +114,7 @@ def _quantise_rows_kernel(
                            alpha, limit, KIND, ACT, GATE_STEP, UP_OFFSET)
             amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
         scale = _tile_scale(amax, POW2)
-        tl.store(s_rows, scale, mask=row_ok)
+        tl.store(s_rows, _stored_scale(scale, SCALE_BYTES), mask=row_ok)
         for k in range(0, K, BLOCK_K):
             cols = k + ks
             mask = row_ok[:, None] & (cols < K)[None, :]
@@ -115,7 +127,7 @@ def _quantise_rows_kernel(
         mask = row_ok[:, None] & (cols < K)[None, :]
         a = _activated(h_ptr, src, cols, mask, stride_hn, stride_hk, alpha, limit, KIND, ACT, GATE_STEP, UP_OFFSET)
         scale = _tile_scale(tl.max(tl.abs(a), axis=1), POW2)
-        tl.store(s_rows + tile * stride_sk, scale, mask=row_ok)
+        tl.store(s_rows + tile * stride_sk, _stored_scale(scale, SCALE_BYTES), mask=row_ok)
         tl.store(q_rows + cols[None, :] * stride_qk, _to_e4m3(a, scale), mask=mask)
 
 
@@ -136,7 +148,8 @@ def quantise_rows_launch(h_NW, q_NK, scale_NS, recipe: str, spec=None, interpret
     block_k = WHOLE_ROW_BLOCK_K if tile is None else tile
     args = (h_NW, h_NW if rows_N is None else rows_N, q_NK, scale_NS, N, K, alpha, limit, *h_NW.stride(),
             *q_NK.stride(), *scale_NS.stride())
-    constexprs = dict(TILE=0 if tile is None else tile, POW2=recipe == "mxfp8", GATHER=rows_N is not None,
+    constexprs = dict(TILE=0 if tile is None else tile, POW2=recipe == "mxfp8",
+                      SCALE_BYTES=scale_NS.dtype == torch.uint8, GATHER=rows_N is not None,
                       BLOCK_M=block_m, BLOCK_K=block_k, **act)
     grid = (triton.cdiv(N, block_m), 1 if tile is None else triton.cdiv(K, tile))
     return _quantise_rows_kernel, args, constexprs, grid
@@ -151,27 +164,14 @@ def quantise_rows(h_NW: torch.Tensor, recipe: str, spec=None, rows_N=None) -> Qu
     K = h_NW.shape[1] if spec is None else activation_width(spec, h_NW.shape[1])
     tile = ACTIVATION_TILE[recipe]
     q = torch.empty(N, K, dtype=E4M3, device=h_NW.device)
-    scale = torch.empty(N, 1 if tile is None else triton.cdiv(K, tile), dtype=torch.float32, device=h_NW.device)
+    # MXFP8's scales are written as e8m0 bytes where this torch has the dtype (else fp32 powers of two).
+    as_bytes = recipe == "mxfp8" and E8M0 is not None
+    scale = torch.empty(N, 1 if tile is None else triton.cdiv(K, tile), device=h_NW.device,
+                        dtype=torch.uint8 if as_bytes else torch.float32)
     if N and K:
         kernel, args, constexprs, grid = quantise_rows_launch(h_NW, q, scale, recipe, spec, interpreting(), rows_N)
         kernel[grid](*args, **constexprs, **({} if interpreting() else OPTIONS))
-    if recipe == "mxfp8" and E8M0 is not None:
-        scale = scale.to(E8M0)
-    return Quantised(q, scale, (1, K if tile is None else tile))
-
-
-def bytes_moved(N: int, W: int, recipe: str, spec=None, dtype_bytes: int = 2) -> dict:
-    """Bytes of memory traffic to quantise act(h) for h [N, W] of `dtype_bytes` elements: `fused`, this
-    kernel (h read once, rowwise twice; e4m3 and fp32 scales written); `unfused`, the least that separate
-    kernels move (the activation writes a and the quantiser reads it twice, for the amax and the divide)."""
-    K = W if spec is None else activation_width(spec, W)
-    tile = ACTIVATION_TILE[check_fp8(recipe)]
-    scales = N * 4 * (1 if tile is None else -(-K // tile))
-    reads_h = 2 if tile is None else 1
-    fused = reads_h * N * W * dtype_bytes + N * K + scales
-    activation = 0 if spec is None else N * W * dtype_bytes + N * K * dtype_bytes
-    unfused = activation + 2 * N * K * dtype_bytes + N * K + scales
-    return {"fused": fused, "unfused": unfused}
+    return Quantised(q, scale.view(E8M0) if as_bytes else scale, (1, K if tile is None else tile))
 
 
 def aot_launches(recipe: str, shape: dict, device: str = "meta"):
@@ -184,7 +184,8 @@ def aot_launches(recipe: str, shape: dict, device: str = "meta"):
         h = torch.empty(N, width, dtype=torch.bfloat16, device=device)
         tile = ACTIVATION_TILE[recipe]
         q = torch.empty(N, k, dtype=E4M3, device=device)
-        scale = torch.empty(N, 1 if tile is None else triton.cdiv(k, tile), device=device)
+        scale = torch.empty(N, 1 if tile is None else triton.cdiv(k, tile), device=device,
+                            dtype=torch.uint8 if recipe == "mxfp8" and E8M0 is not None else torch.float32)
         kernel, args, constexprs, _ = quantise_rows_launch(h, q, scale, recipe, spec)
         out.append((name, kernel, args, constexprs))
     return out
