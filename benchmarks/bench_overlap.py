@@ -5,7 +5,8 @@
     python benchmarks/bench_overlap.py --quick                           # smoke: 2 ranks, few steps
 
 Each rank trains one MoE layer with shared experts (fmoe's FMoETransformerMLP, expert parallel over
-the ranks; `--attention-seq S`: after a self-attention block) forward+backward, 2048 tokens a rank.
+the ranks; `--attention-seq S`: after a self-attention block; `--layers N`: N such blocks on a residual
+stream) forward+backward, 2048 tokens a rank.
 The modes: overlap="none", "shared", "pipeline", "auto" (which is "pipeline" here), FasterMoE's smart
 schedule, and the step as two micro-batches interleaved (fmoe.interleave_micro_batches, "auto" inside).
 First without a link, overlap="none": the step's compute (and the real, local exchange). The link (`fmoe.distributed.link`) is then set so that the bytes one step carries
@@ -44,8 +45,11 @@ from fmoe.distributed.pipeline import pipeline_chunks_for  # noqa: E402
 # and whether the step's tokens run as two micro-batches interleaved (fmoe.interleave_micro_batches:
 # half the tokens each, gradients accumulated; equal to one batch up to rounding, the tokens' sums split).
 MODES = {"none": ("none", False, False), "shared": ("shared", False, False), "pipeline": ("pipeline", False, False),
-         "auto": ("auto", False, False), "shared+schedule": ("shared", True, False),
-         "two micro-batches": ("auto", False, True)}
+         "auto": ("auto", False, False), "pipeline, weight grads in line": ("pipeline", False, False),
+         "shared+schedule": ("shared", True, False), "two micro-batches": ("auto", False, True)}
+# The rows whose backward computes the experts' weight gradients in line (layer.defer_weight_grads = False):
+# the others send the input gradient first and compute them while it travels (fmoe.kernels.deferred).
+IN_LINE_WEIGHT_GRADS = {"pipeline, weight grads in line"}
 
 
 class Block(torch.nn.Module):
@@ -66,14 +70,42 @@ class Block(torch.nn.Module):
         return self.moe(x)
 
 
-def build(world: int, mode: str, args) -> Block:
+class Stack(torch.nn.Module):
+    """`--layers` blocks, each added to its input (a residual stream); `moe` is the first block's layer (the
+    components are measured on it), `moes` all of them."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    @property
+    def moe(self):
+        return self.blocks[0].moe
+
+    @property
+    def moes(self):
+        return [block.moe for block in self.blocks]
+
+    def forward(self, x):
+        if len(self.blocks) == 1:
+            return self.blocks[0](x)
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def build(world: int, mode: str, args) -> Stack:
     overlap, schedule, _ = MODES[mode]
     torch.manual_seed(0)
-    moe = fmoe.FMoETransformerMLP(num_expert=args.experts, world_size=world, d_model=args.d_model,
-                                  d_hidden=args.d_hidden, top_k=args.top_k, gate="naive",
-                                  shared_expert=args.shared_hidden, overlap=overlap, schedule=schedule,
-                                  schedule_group_size=1)
-    return Block(moe, args.d_model, args.attention_seq)
+    blocks = []
+    for _ in range(args.layers):
+        moe = fmoe.FMoETransformerMLP(num_expert=args.experts, world_size=world, d_model=args.d_model,
+                                      d_hidden=args.d_hidden, top_k=args.top_k, gate="naive",
+                                      shared_expert=args.shared_hidden, overlap=overlap, schedule=schedule,
+                                      schedule_group_size=1)
+        moe.defer_weight_grads = mode not in IN_LINE_WEIGHT_GRADS
+        blocks.append(Block(moe, args.d_model, args.attention_seq))
+    return Stack(blocks)
 
 
 def step(layer, x, probe, micro_batches=False):
@@ -124,10 +156,11 @@ def median_seconds(run, steps: int) -> float:
     return statistics.median(times)
 
 
-def components(layer: Block, x, probe, steps: int) -> dict:
+def components(layer: Stack, x, probe, steps: int) -> dict:
     """Seconds of the step's parts, forward + backward, without a link (what `fmoe simulate --overlap`
     builds its timeline from): the shared experts on the tokens, the routed experts on as many rows
-    as the tokens have slots (spread evenly over the local experts), and the rest of the step."""
+    as the tokens have slots (spread evenly over the local experts), both summed over the layers, and
+    the rest of the step."""
     moe = layer.moe
 
     def shared():
@@ -146,14 +179,15 @@ def components(layer: Block, x, probe, steps: int) -> dict:
         (moe.experts(x_in, counts, weights, lean=True) * probe_rows).sum().backward()
 
     whole = median_seconds(lambda: step(layer, x, probe), steps)
-    parts = {"shared": median_seconds(shared, steps), "experts": median_seconds(experts, steps)}
+    layers = len(layer.moes)
+    parts = {"shared": layers * median_seconds(shared, steps), "experts": layers * median_seconds(experts, steps)}
     layer.zero_grad()
     return {"other": max(whole - parts["shared"] - parts["experts"], 0.0), **parts}
 
 
 def link_bytes(layer) -> int:
     """Bytes one step carried: what the busiest rank sent to the others, forward and backward."""
-    sent = layer.moe.traffic.total()
+    sent = sum(moe.traffic.total() for moe in layer.moes)
     total = torch.tensor([sent], dtype=torch.float64)
     dist.all_reduce(total, op=dist.ReduceOp.MAX)
     return int(total)
@@ -178,7 +212,8 @@ def rank_main(rank: int, world: int, store: str, args, out_file: str):
         layer.zero_grad()
     without_link = timed_steps(layers, x, probe, args.steps, None)
     compute = without_link["none"]
-    layers["none"].moe.traffic.reset()
+    for moe in layers["none"].moes:
+        moe.traffic.reset()
     step(layers["none"], x, probe)
     carried = link_bytes(layers["none"])
     gbps = carried * 8 / (compute * 1e9)            # the link's time for one step's bytes = the step's compute
@@ -193,6 +228,7 @@ def rank_main(rank: int, world: int, store: str, args, out_file: str):
         for mode in MODES:
             result["modes"][mode] = {
                 "overlap": layers[mode].moe.overlap, "schedule": MODES[mode][1], "micro_batches": 2 if MODES[mode][2] else 1,
+                "defer_weight_grads": mode not in IN_LINE_WEIGHT_GRADS and layers[mode].moe.overlap != "none",
                 "step_s": with_link[mode], "step_s_without_link": without_link[mode],
                 "hidden": (with_link["none"] - with_link[mode]) / link_seconds if link_seconds > 0 else None,
                 "max_difference_from_none": difference.get(mode, 0.0)}
@@ -220,6 +256,7 @@ def main(argv=None):
     parser.add_argument("--experts", type=int, default=4, help="experts on each rank")
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--layers", type=int, default=1, help="blocks in the model (each: attention if asked, MoE)")
     parser.add_argument("--attention-seq", type=int, default=0, metavar="S",
                         help="a self-attention block before the MoE layer, over sequences of S tokens (0: none)")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 3 steps, small shapes")
@@ -239,7 +276,7 @@ def main(argv=None):
     if args.out:
         report = {"machine": machine(), "command": " ".join(["python benchmarks/bench_overlap.py", *(argv or sys.argv[1:])]),
                   "shape": {k: getattr(args, k) for k in ("tokens", "d_model", "d_hidden", "shared_hidden", "experts",
-                                                           "top_k", "steps", "attention_seq")},
+                                                           "top_k", "steps", "attention_seq", "layers")},
                   "results": results}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

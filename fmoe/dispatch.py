@@ -29,10 +29,12 @@ import torch
 from torch.utils._pytree import tree_map
 
 from fmoe import kernels
+from fmoe.kernels import deferred
 from fmoe.autocast import autocast_dtype
 from fmoe.distributed import dedup, exchange, fp8_exchange
 from fmoe.distributed.pipeline import chunked_plan, pipeline_chunks_for, pipelined_exchange
 from fmoe.distributed.schedule import scheduled_experts
+from fmoe.experts import GroupedExperts
 from fmoe.distributed.shadow import BufferPool, ShadowPull
 from fmoe.gates.base import Routing
 from fmoe.gates.load_state import in_recompute
@@ -153,6 +155,19 @@ class Exchange(OneRank):
         forced = self.bound is not None and not torch.compiler.is_compiling()
         return kernels.forced_sync_free() if forced else contextlib.nullcontext()
 
+    def weight_grads_deferral(self) -> Optional[deferred.DeferredWeightGrads]:
+        """Under an overlapping mode, the lean experts' weight gradients wait for the backward's exchange to
+        start and compute while it travels (`fmoe.kernels.deferred`); made before the dispatch starts. None
+        where that cannot be: traced, no gradient, experts FSDP2 shards (its post-backward reduces each
+        module's gradients as its inputs' are done), experts not the layer's own stacked lean MLP."""
+        experts = self.layer.experts
+        if not (self.overlap_shared and self.layer.defer_weight_grads and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and isinstance(experts, GroupedExperts) and experts.lean
+                and self.layer.experts_call.weighs_rows and experts.w1_eDF.requires_grad
+                and experts.w2_eFD.requires_grad and not sharded_by_fsdp(experts)):
+            return None
+        return deferred.DeferredWeightGrads((experts.w1_eDF, experts.w2_eFD))
+
     @property
     def fp8_rows(self):
         """The FP8 recipe the rows to the experts travel in (the experts' `fp8=`), None: their dtype."""
@@ -174,13 +189,15 @@ class SlotExchange(Exchange):
         if call.weighs_rows and plan.shadow is None and self.schedule_group_size is None:
             # The permuted rows only travel; the received ones are the experts' input, kept once.
             weight_N = weight_TK.reshape(-1).index_select(0, plan.slot_N)
-            if self.pipelining(x_ND):
-                y_ND = self.pipelined(x_ND, plan, weight_N, call.rows, alongside)
-                return kernels.sum_rows(y_ND, plan, backend).to(autocast_dtype(x) or x.dtype)
-            rows, weights = self.start_dispatch(x_ND, plan), self.start_dispatch(weight_N[:, None], plan, "routing")
-            self.travelling(alongside)
-            x_RD, weight_R = rows.wait(), weights.wait()[:, 0]
-            y_ND = exchange.combine(call.rows(x_RD, plan.local_counts_e, weight_R), plan)
+            with deferred.deferring(self.weight_grads_deferral()):
+                if self.pipelining(x_ND):
+                    y_ND = self.pipelined(x_ND, plan, weight_N, call.rows, alongside)
+                    return kernels.sum_rows(y_ND, plan, backend).to(autocast_dtype(x) or x.dtype)
+                rows = self.start_dispatch(x_ND, plan)
+                weights = self.start_dispatch(weight_N[:, None], plan, "routing")
+                self.travelling(alongside)
+                x_RD, weight_R = rows.wait(), weights.wait()[:, 0]
+                y_ND = exchange.combine(call.rows(x_RD, plan.local_counts_e, weight_R), plan)
             return kernels.sum_rows(y_ND, plan, backend).to(autocast_dtype(x) or x.dtype)
         y_ND = self.layer.experts_call.checked(self.run_rows(x_ND, plan, alongside))
         return tree_map(lambda t: kernels.unpermute(t, plan, weight_TK, backend), y_ND)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fmoe import kernels
-from fmoe.kernels import torch_ops
+from fmoe.kernels import deferred, torch_ops
 from fmoe.kernels.fp8 import check_fp8
 from fmoe.layer_checks import check_fits
 
@@ -270,9 +270,14 @@ class GroupedExperts(nn.Module):
 
     def weighted(self, x_XD, counts_e, weight_N=None, rows_N=None, row_of_slot_TK=None):
         """weight_N[r] * expert_e(x[rows_N[r]]) for expert e's rows r, through the lean MLP
-        (`fmoe.kernels.weighted_mlp`); needs `self.lean`."""
-        return kernels.weighted_mlp(x_XD, counts_e, fused_activation_spec(self.activation), self.w1_eDF,
-                                    self.w2_eFD, self.b1_eF, self.b2_eD, rows_N=rows_N,
+        (`fmoe.kernels.weighted_mlp`); needs `self.lean`. Under a deferral made for these weights
+        (`fmoe.kernels.deferred`: the exchange's backward first) the weights are its aliases."""
+        w1_eDF, w2_eFD = self.w1_eDF, self.w2_eFD
+        deferral = deferred.current()
+        if deferral is not None and deferral.weights_of(self):
+            w1_eDF, w2_eFD = deferral.aliases
+        return kernels.weighted_mlp(x_XD, counts_e, fused_activation_spec(self.activation), w1_eDF,
+                                    w2_eFD, self.b1_eF, self.b2_eD, rows_N=rows_N,
                                     row_of_slot_TK=row_of_slot_TK, weight_N=weight_N,
                                     keep_hidden=self.recompute == "activation", backend=self.backend)
 

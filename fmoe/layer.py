@@ -178,6 +178,9 @@ class FMoE(ForgetsLastForward, nn.Module):
         self.token_rows = TokenRows(self)
         self.token_mask = NO_MASK if self.mask is None else TokenMask(self.mask, self.mask_dict)
         self.overlap = resolve_overlap(overlap, self.world_size, self.exchange, self.num_expert)
+        # Under an overlapping mode the backward sends the experts' input gradient first and computes their
+        # weight gradients while it travels (fmoe.kernels.deferred); False computes them in line.
+        self.defer_weight_grads = True
         self.dispatcher = make_dispatcher(self, shadow_policy, self.schedule)
         self.experts_call = experts_call(self, self.has_own_expert_fn)
 

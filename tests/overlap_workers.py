@@ -371,3 +371,57 @@ def check_interleaved_compiled_equals_one_after_the_other(rank, world):
     assert order.index("begin 1") < order.index("end 0"), order
     assert all(torch.equal(a, b) for a, b in zip(ys, ys_i))
     assert all(torch.equal(grads[n], grads_i[n]) for n in grads), [n for n in grads if not torch.equal(grads[n], grads_i[n])]
+
+
+def check_overlap_weight_grads_run_while_the_input_gradient_travels(rank, world):
+    """The backward's order under each overlapping mode: the experts' input gradient starts back (`_Arrive`'s
+    backward), their weight-gradient GEMMs run (the deferral's jobs), then a collective is waited for (the
+    first real wait after the trip started); with `defer_weight_grads = False` no job is deferred; both
+    bit-identical."""
+    from fmoe.kernels import deferred
+    events = []
+
+    def logged(name, fn):
+        def run(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return staticmethod(run) if name != "wgrad" else run
+
+    arrive, wait, run_jobs = exchange._Arrive.backward, link.wait, deferred.DeferredWeightGrads.run
+
+    def run_logged(self):
+        if self.jobs:
+            events.append("wgrad")
+        return run_jobs(self)
+
+    exchange._Arrive.backward = logged("trip", arrive)
+
+    def wait_logged(*args, **kwargs):
+        events.append("wait")
+        return wait(*args, **kwargs)
+    link.wait = wait_logged
+    deferred.DeferredWeightGrads.run = run_logged
+    try:
+        for overlap in ("shared", "pipeline"):
+            results = {}
+            for defer in (True, False):
+                torch.manual_seed(0)
+                layer = fmoe.FMoETransformerMLP(num_expert=E_PER_RANK, world_size=world, d_model=D, d_hidden=H,
+                                                top_k=2, gate="naive", shared_expert=H, overlap=overlap)
+                layer.defer_weight_grads = defer
+                g = torch.Generator().manual_seed(rank)
+                x = torch.randn(8, D, generator=g).requires_grad_(True)
+                y = layer(x)
+                events.clear()
+                (y * torch.randn(8, D, generator=g)).sum().backward()
+                results[defer] = [y.detach(), x.grad] + [p.grad for p in layer.parameters()]
+                if defer:       # the jobs ran at a wait (not left to the end), after a gradient started back
+                    wgrad = events.index("wgrad")
+                    assert "trip" in events[:wgrad] and events[wgrad + 1] == "wait", (overlap, events)
+                else:
+                    assert "wgrad" not in events, (overlap, events)
+            for a, b in zip(results[True], results[False]):
+                assert torch.equal(a, b), overlap
+    finally:
+        exchange._Arrive.backward, link.wait = staticmethod(arrive), wait
+        deferred.DeferredWeightGrads.run = run_jobs

@@ -54,6 +54,10 @@ def test_overlap_modes_give_the_bit_identical_outputs_gradients_and_counts_of_no
     run_ranks(overlap_workers.check_overlap_modes_equal_none, world)
 
 
+def test_overlap_weight_gradients_compute_while_the_input_gradient_travels():
+    run_ranks(overlap_workers.check_overlap_weight_grads_run_while_the_input_gradient_travels, 2)
+
+
 def test_overlap_compiled_equals_eager_none():
     run_ranks(overlap_workers.check_overlap_compiled_equals_eager_none, 2)
 
@@ -93,8 +97,10 @@ def test_overlap_model_timelines_add_up():
         step = predict(parts, 0.12, mode, chunks, micro)
         assert 0.18 <= step < 0.30, (mode, chunks, micro, step)
     # shared hides the dispatch behind the shared experts' forward and the output gradients behind their
-    # backward: 0.02 and 0.04 of compute against legs of 0.03 each
-    assert predict(parts, 0.12, "shared") == pytest.approx(0.30 - 0.02 - 0.03)
+    # backward: 0.02 and 0.04 of compute against legs of 0.03 each; and, the weight gradients deferred,
+    # the input gradients behind them (0.03: half the experts' 0.06 of backward, against a leg of 0.03)
+    assert predict(parts, 0.12, "shared", defer_weight_grads=False) == pytest.approx(0.30 - 0.02 - 0.03)
+    assert predict(parts, 0.12, "shared") == pytest.approx(0.30 - 0.02 - 0.03 - 0.03)
     assert predict(parts, 0.12, "pipeline", 4) < predict(parts, 0.12, "shared")
     with pytest.raises(ValueError, match="mode must be one of"):
         predict(parts, 0.1, "chunks")

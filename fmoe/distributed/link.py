@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fmoe.distributed.timeout import wait
+
 from fmoe.env import env_raw
 
 ENV = "FMOE_SIMULATED_LINK"
@@ -119,6 +120,9 @@ class Pending:
         self.waited = True
         # Every first wait hands an interleaved micro-batch's turn on, empty or not: where turns pass
         # must not depend on the data, so that every rank issues its collectives in the same order.
+        # Weight gradients left for this moment (the exchange's backward first) compute while this travels.
+        from fmoe.kernels.deferred import run_pending       # here: fmoe.kernels imports this module
+        run_pending()
         with _around_wait():
             for work in self.works:
                 wait(work, self.what)

@@ -26,7 +26,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from fmoe.kernels import fp8
+from fmoe.kernels import fp8_quant as fp8
 
 _entries: Dict[tuple, Tuple[weakref.ref, dict]] = {}
 _counts = {"quantised": 0, "reused": 0}

@@ -46,20 +46,34 @@ def forward(impl, x_XD, rows_N, counts_e, weight_N, activation, w1_eDF, w2_eFD, 
 def backward(impl, dy_ND, x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, activation,
              w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF):
     """(dx, d weight_N or None, dw1, dw2, db1 or None, db2 or None); h recomputed when not given."""
+    dx, dweight_N, db1, db2, weight_grads = backward_deferring(
+        impl, dy_ND, x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, activation, w1_eDF, w2_eFD, b1_eF, b2_eD,
+        h_NF, defer=False)
+    dw1, dw2 = weight_grads()
+    return dx, dweight_N, dw1, dw2, db1, db2
+
+
+def backward_deferring(impl, dy_ND, x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, activation,
+                       w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF, defer: bool = True):
+    """(dx, d weight_N or None, db1 or None, db2 or None, weight_grads): the backward with its two weight
+    GEMMs left in `weight_grads()` -> (dw1, dw2), to run when the caller chooses (while dx travels: the
+    same GEMMs on the same operands as in line). Not `defer`: on the torch path each expert's weight
+    GEMMs run in its turn, as `backward` needs."""
     if impl == "torch":
-        dx_ND, dweight_N, dw1, dw2, db1, db2 = backward_by_expert(
-            dy_ND, x_XD, rows_N, counts_e, weight_N, activation, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF)
+        dx_ND, dweight_N, db1, db2, weight_grads = backward_by_expert(
+            dy_ND, x_XD, rows_N, counts_e, weight_N, activation, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF, defer)
     else:
-        dx_ND, dweight_N, dw1, dw2, db1, db2 = backward_grouped(
+        dx_ND, dweight_N, db1, db2, weight_grads = backward_grouped(
             impl, dy_ND, x_XD, rows_N, counts_e, weight_N, activation, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF)
     # Each token's K row gradients summed in k order: deterministic, no scatter.
     dx = dx_ND if rows_N is None else run_impl(impl, "gather_sum", dx_ND, row_of_slot_TK, None)
-    return dx, dweight_N, dw1, dw2, db1, db2
+    return dx, dweight_N, db1, db2, weight_grads
 
 
 def backward_grouped(impl, dy_ND, x_XD, rows_N, counts_e, weight_N, activation, w1_eDF, w2_eFD, b1_eF, b2_eD,
                      h_NF):
-    """The backward over all rows at once, each step one grouped GEMM (Triton, or counts on the device)."""
+    """The backward over all rows at once, each step one grouped GEMM (Triton, or counts on the device); the
+    weight GEMMs left to the returned `weight_grads()`."""
     if h_NF is None:
         h_NF = hidden(impl, x_XD, rows_N, counts_e, w1_eDF, b1_eF)
     a_NF, act_vjp = activation_vjp(h_NF, activation)
@@ -74,15 +88,17 @@ def backward_grouped(impl, dy_ND, x_XD, rows_N, counts_e, weight_N, activation, 
         dweight_N = weight_gradient(dy_ND, da_NF, a_NF, bias_ND, weight_N.dtype)
         dy_ND = (dy_ND * weight_N[:, None]).to(x_XD.dtype)
         da_NF.mul_(weight_N.to(da_NF.dtype)[:, None])
-    dw2 = run_impl(impl, "grouped_mm_weight_grad", a_NF, dy_ND, counts_e, None)
     dh_NF = act_vjp(da_NF)
-    dw1 = run_impl(impl, "grouped_mm_weight_grad", x_XD, dh_NF, counts_e, rows_N)
     db1 = db2 = None
     if b1_eF is not None:
         db1 = run_impl(impl, "expert_row_sums", dh_NF, counts_e, b1_eF.dtype)
         db2 = run_impl(impl, "expert_row_sums", dy_ND, counts_e, b2_eD.dtype)
     dx_ND = run_impl(impl, "grouped_mm_rows", dh_NF, w1_eDF.transpose(1, 2), counts_e, None, None)
-    return dx_ND, dweight_N, dw1, dw2, db1, db2
+
+    def weight_grads():
+        return (run_impl(impl, "grouped_mm_weight_grad", x_XD, dh_NF, counts_e, rows_N),
+                run_impl(impl, "grouped_mm_weight_grad", a_NF, dy_ND, counts_e, None))
+    return dx_ND, dweight_N, db1, db2, weight_grads
 
 
 def routed_forward(impl, x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK, activation,
@@ -156,10 +172,14 @@ def forward_by_expert(x_XD, rows_N, counts_e, weight_N, activation, w1_eDF, w2_e
     return y_ND, h_NF
 
 
-def backward_by_expert(dy_ND, x_XD, rows_N, counts_e, weight_N, activation, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF):
-    """backward_grouped's arithmetic one expert's segment at a time; h recomputed per segment when not kept."""
+def backward_by_expert(dy_ND, x_XD, rows_N, counts_e, weight_N, activation, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF,
+                       defer: bool = False):
+    """backward_grouped's arithmetic one expert's segment at a time; h recomputed per segment when not kept.
+    In line, each segment's weight GEMMs run in its turn (the transients one segment wide) and
+    `weight_grads()` returns them; with `defer`, the operands are kept and `weight_grads()` runs them."""
     dx_ND = x_XD.new_zeros(dy_ND.shape[0], x_XD.shape[1])
     dw1, dw2 = torch.empty_like(w1_eDF), torch.empty_like(w2_eFD)
+    operands = []
     db1 = None if b1_eF is None else torch.empty_like(b1_eF)
     db2 = None if b2_eD is None else torch.empty_like(b2_eD)
     dweight_N = None if weight_N is None else weight_N.new_zeros(dy_ND.shape[0])
@@ -174,11 +194,22 @@ def backward_by_expert(dy_ND, x_XD, rows_N, counts_e, weight_N, activation, w1_e
             dweight_N[seg] = weight_gradient(dy, da, a, None if b2_eD is None else b2_eD[e], weight_N.dtype)
             dy = (dy * w).to(x_XD.dtype)
             da.mul_(w.to(da.dtype))
-        torch.mm(a.t(), dy, out=dw2[e])
         dh = act_vjp(da)
-        torch.mm(x_rows.t(), dh, out=dw1[e])
+        operands.append((e, a, dy, x_rows, dh))
+        if not defer:
+            _segment_weight_grads(dw1, dw2, *operands.pop())
         torch.mm(dh, w1_eDF[e].t(), out=dx_ND[seg])
         if b1_eF is not None:
             torch.sum(dh, 0, out=db1[e])
             torch.sum(dy, 0, out=db2[e])
-    return dx_ND, dweight_N, dw1, dw2, db1, db2
+
+    def weight_grads():
+        while operands:
+            _segment_weight_grads(dw1, dw2, *operands.pop(0))
+        return dw1, dw2
+    return dx_ND, dweight_N, db1, db2, weight_grads
+
+
+def _segment_weight_grads(dw1, dw2, e, a, dy, x_rows, dh):
+    torch.mm(a.t(), dy, out=dw2[e])
+    torch.mm(x_rows.t(), dh, out=dw1[e])

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from fmoe.kernels import lean, torch_ops
 from fmoe.kernels.bodies import IMPLS, run_impl  # noqa: F401  (IMPLS: the impl names, for callers)
+from fmoe.kernels.deferred import deferral_of
 
 
 # permute: rows of x in expert order; backward sums each token's rows back.
@@ -264,6 +265,8 @@ def _weighted_mlp_setup(ctx, inputs, output):
     ctx.save_for_backward(x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, w1_eDF, w2_eFD, b1_eF, b2_eD,
                           output[1] if keep_hidden else None)
     ctx.activation, ctx.impl = activation, impl
+    # Weights handed in as a deferral's aliases: their GEMMs run while the input gradient travels.
+    ctx.deferral = deferral_of(w1_eDF)
     # h is returned only to be saved: no N x F zero gradient for it on every backward.
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
@@ -273,6 +276,13 @@ def _weighted_mlp_backward(ctx, dy_ND, _grad_h):
     x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF = ctx.saved_tensors
     if dy_ND is None:
         return (None,) * 12
+    deferral, ctx.deferral = ctx.deferral, None
+    if deferral is not None:
+        dx, dweight, db1, db2, weight_grads = lean.backward_deferring(
+            ctx.impl, dy_ND.contiguous(), x_XD, rows_N, row_of_slot_TK, counts_e, weight_N, ctx.activation,
+            w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF)
+        deferral.add(weight_grads)
+        return (dx, None, None, None, dweight, None, None, None, db1, db2, None, None)
     grads = weighted_mlp_backward(dy_ND.contiguous(), x_XD, rows_N, row_of_slot_TK, counts_e, weight_N,
                                   ctx.activation, w1_eDF, w2_eFD, b1_eF, b2_eD, h_NF, ctx.impl)
     dx, dweight, dw1, dw2, db1, db2 = grads
@@ -350,6 +360,8 @@ def _routed_mlp_setup(ctx, inputs, output):
     ctx.save_for_backward(x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK, w1_eDF, w2_eFD, b1_eF, b2_eD,
                           output[1] if keep_hidden else None)
     ctx.activation, ctx.impl = activation, impl
+    # Weights handed in as a deferral's aliases: their GEMMs run while the input gradient travels.
+    ctx.deferral = deferral_of(w1_eDF)
     # h is returned only to be saved: no N x F zero gradient for it on every backward.
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)

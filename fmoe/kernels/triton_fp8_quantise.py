@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fmoe.kernels.fp8 import ACTIVATION_TILE, E4M3, E8M0, Quantised, check_fp8
+from fmoe.kernels.fp8_quant import ACTIVATION_TILE, E4M3, E8M0, Quantised, check_fp8
 from fmoe.kernels.triton_lean import _act_and_grad, _gated, activation_constexprs, activation_width
 
 # KIND of no activation: the rows as they are.

@@ -13,6 +13,8 @@ operations as the layer runs them; `step_seconds` plays them:
     pipeline   "shared", and the exchange in n chunks: every dispatch starts at once, each chunk's
                experts when its rows are there, its combine started as the next chunk computes;
                in the backward each chunk's input gradients start back as the next one computes
+    (shared and pipeline, `defer_weight_grads`): the experts' backward sends its input gradients
+               first and computes its weight gradients (half its GEMMs) while they travel
     two micro-batches (`micro_batches=2`): two such lists, each of half the compute and bytes,
                taking turns at every wait (`fmoe.interleave_micro_batches`): the one whose turn it
                is runs until it waits, then the other runs; the first takes the turn back and
@@ -42,7 +44,7 @@ class Components:
         return Components(self.other * factor, self.shared * factor, self.experts * factor)
 
 
-def operations(c: Components, link: float, mode: str, chunks: int = 1) -> List[Tuple]:
+def operations(c: Components, link: float, mode: str, chunks: int = 1, defer_weight_grads: bool = True) -> List[Tuple]:
     """The layer's step as ("compute", s), ("send", name, s) and ("wait", name)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -61,8 +63,12 @@ def operations(c: Components, link: float, mode: str, chunks: int = 1) -> List[T
         ops += [("wait", f"d{i}"), ("compute", x_f / n), ("send", f"c{i}", leg / n)]
     ops += [("wait", f"c{i}") for i in range(n)] + [("compute", o_f / 2)]
     ops += [("send", f"gy{i}", leg / n) for i in range(n)] + [("compute", s_b)]
+    # The experts' backward: input gradient (two of its four GEMMs) and weight gradient (the other two),
+    # the latter after the input gradient has started back when deferred (it runs at the next wait).
+    weight_part = x_b / (2 * n) if defer_weight_grads else 0.0
     for i in range(n):
-        ops += [("wait", f"gy{i}"), ("compute", x_b / n), ("send", f"gx{i}", leg / n)]
+        ops += [("wait", f"gy{i}"), ("compute", x_b / n - weight_part), ("send", f"gx{i}", leg / n),
+                ("compute", weight_part)]
     return ops + [("wait", f"gx{i}") for i in range(n)] + [("compute", o_b)]
 
 
@@ -94,13 +100,14 @@ def step_seconds(workers: List[List[Tuple]]) -> float:
     return now
 
 
-def predict(components: Components, link: float, mode: str, chunks: int = 1, micro_batches: int = 1) -> float:
+def predict(components: Components, link: float, mode: str, chunks: int = 1, micro_batches: int = 1,
+            defer_weight_grads: bool = True) -> float:
     """Seconds of a step in `mode` (micro_batches 1, or 2 interleaved, each half the compute and bytes)."""
     if micro_batches not in (1, 2):
         raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches!r}")
     if micro_batches == 1:
-        return step_seconds([operations(components, link, mode, chunks)])
-    half = operations(components.scaled(0.5), link / 2, mode, chunks)
+        return step_seconds([operations(components, link, mode, chunks, defer_weight_grads)])
+    half = operations(components.scaled(0.5), link / 2, mode, chunks, defer_weight_grads)
     return step_seconds([half, half])
 
 
@@ -136,7 +143,8 @@ def compare_with_bench(bench: dict) -> list:
                 continue                    # FasterMoE's smart schedule: its own model (fmoe simulate)
             chunks = result.get("pipeline_chunks", 1) if measured["overlap"] == "pipeline" else 1
             own = parts.scaled(measured["step_s_without_link"] / parts.total)
-            predicted = predict(own, result["link_s"], measured["overlap"], chunks, measured.get("micro_batches", 1))
+            predicted = predict(own, result["link_s"], measured["overlap"], chunks, measured.get("micro_batches", 1),
+                                measured.get("defer_weight_grads", False))
             rows.append({"world": result["world"], "mode": name, "overlap": measured["overlap"], "chunks": chunks,
                          "micro_batches": measured.get("micro_batches", 1), "measured_s": measured["step_s"],
                          "predicted_s": predicted, "error": predicted / measured["step_s"] - 1})
