@@ -159,10 +159,12 @@ class Exchange(OneRank):
         """Under an overlapping mode, the lean experts' weight gradients wait for the backward's exchange to
         start and compute while it travels (`fmoe.kernels.deferred`); made before the dispatch starts. None
         where that cannot be: traced, no gradient, experts FSDP2 shards (its post-backward reduces each
-        module's gradients as its inputs' are done), experts not the layer's own stacked lean MLP."""
+        module's gradients as its inputs' are done), under torch.autocast (the MLP gets cast weights, not
+        the aliases), experts not the layer's own stacked lean MLP."""
         experts = self.layer.experts
         if not (self.overlap_shared and self.layer.defer_weight_grads and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and isinstance(experts, GroupedExperts) and experts.lean
+                and not torch.compiler.is_compiling() and autocast_dtype(experts.w1_eDF) is None
+                and isinstance(experts, GroupedExperts) and experts.lean
                 and self.layer.experts_call.weighs_rows and experts.w1_eDF.requires_grad
                 and experts.w2_eFD.requires_grad and not sharded_by_fsdp(experts)):
             return None

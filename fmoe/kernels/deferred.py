@@ -30,13 +30,15 @@ class _Sink(torch.autograd.Function):
     @staticmethod
     def forward(ctx, deferral, *weights):
         ctx.deferral = deferral
+        ctx.set_materialize_grads(False)
         return tuple(w.view_as(w) for w in weights)
 
     @staticmethod
-    def backward(ctx, *_grads):
+    def backward(ctx, *grads):
         deferral, ctx.deferral = ctx.deferral, None
         deferral.run()
-        return (None, *deferral.sums)
+        # A use of an alias that did not defer (its gradient came through autograd) adds to the jobs' sums.
+        return (None, *(g if s is None else s if g is None else g + s for g, s in zip(grads, deferral.sums)))
 
 
 class DeferredWeightGrads:
