@@ -29,13 +29,13 @@ import torch
 from torch.utils._pytree import tree_map
 
 from fmoe import kernels
-from fmoe.kernels import deferred
 from fmoe.autocast import autocast_dtype
 from fmoe.distributed import dedup, exchange, fp8_exchange
 from fmoe.distributed.pipeline import chunked_plan, pipeline_chunks_for, pipelined_exchange
 from fmoe.distributed.schedule import scheduled_experts
-from fmoe.experts import GroupedExperts
 from fmoe.distributed.shadow import BufferPool, ShadowPull
+from fmoe.experts import GroupedExperts
+from fmoe.kernels import deferred
 from fmoe.gates.base import Routing
 from fmoe.gates.load_state import in_recompute
 from fmoe.routing import RoutingPlan
@@ -163,8 +163,8 @@ class Exchange(OneRank):
         the aliases), experts not the layer's own stacked lean MLP."""
         experts = self.layer.experts
         if not (self.overlap_shared and self.layer.defer_weight_grads and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and autocast_dtype(experts.w1_eDF) is None
-                and isinstance(experts, GroupedExperts) and experts.lean
+                and not torch.compiler.is_compiling() and isinstance(experts, GroupedExperts) and experts.lean
+                and autocast_dtype(experts.w1_eDF) is None
                 and self.layer.experts_call.weighs_rows and experts.w1_eDF.requires_grad
                 and experts.w2_eFD.requires_grad and not sharded_by_fsdp(experts)):
             return None

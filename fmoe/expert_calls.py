@@ -85,11 +85,10 @@ def experts_call(layer, own_expert_fn: bool) -> PlainCall:
     `expert_fn` of the layer's own (`own_expert_fn`), a known activation, recompute other than
     "none", no `fp32_combine`."""
     experts = layer.experts
-    lean = (isinstance(experts, GroupedExperts) and experts.lean and type(experts).forward is GroupedExperts.forward
-            and not own_expert_fn and not layer.fp32_combine)
-    if lean:
+    stacked = (isinstance(experts, GroupedExperts) and type(experts).forward is GroupedExperts.forward
+               and not own_expert_fn)
+    if stacked and experts.lean and not layer.fp32_combine:
         return LeanCall(layer)
-    own_forward = isinstance(experts, GroupedExperts) and type(experts).forward is GroupedExperts.forward
-    if own_forward and experts.fp8 is not None and not own_expert_fn:
+    if stacked and experts.fp8 is not None:
         return GatherFp8Call(layer)
     return PlainCall(layer, own_expert_fn)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fmoe.distributed.timeout import wait
-
 from fmoe.env import env_raw
 
 ENV = "FMOE_SIMULATED_LINK"

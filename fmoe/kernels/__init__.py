@@ -219,13 +219,20 @@ def fp8_grouped_mm(x_NI: torch.Tensor, w_eIO: torch.Tensor, counts_e: torch.Tens
     fp32 GEMMs expert by expert). The counts are read on the host. The weights are quantised once a step
     (`fmoe.kernels.fp8_weights`); under torch.autocast from their cast to its dtype, as nn.Linear casts them.
     """
-    dtype = autocast_dtype(x_NI)
-    if dtype is not None:       # x and the bias cast as nn.Linear's; w's cast happens inside the quantised cache
-        def cast(a):
-            return None if a is None else a.to(dtype)
-        with torch.autocast(x_NI.device.type, enabled=False):
-            return _fp8_grouped_mm(cast(x_NI), w_eIO, counts_e, recipe, cast(bias_eO), activation, backend, dtype)
-    return _fp8_grouped_mm(x_NI, w_eIO, counts_e, recipe, bias_eO, activation, backend, None)
+    with _fp8_under_autocast(x_NI, bias_eO) as (x_NI, bias_eO, weight_dtype):
+        return _fp8_grouped_mm(x_NI, w_eIO, counts_e, recipe, bias_eO, activation, backend, weight_dtype)
+
+
+@contextlib.contextmanager
+def _fp8_under_autocast(x, bias):
+    """(x, bias, weight_dtype) for an FP8 GEMM: under torch.autocast x and the bias cast as nn.Linear's and
+    autocast off inside, the weight's cast left to its quantised cache (`weight_dtype`); else as they are."""
+    dtype = autocast_dtype(x)
+    if dtype is None:
+        yield x, bias, None
+        return
+    with torch.autocast(x.device.type, enabled=False):
+        yield x.to(dtype), None if bias is None else bias.to(dtype), dtype
 
 
 def _fp8_grouped_mm(x_NI, w_eIO, counts_e, recipe, bias_eO, activation, backend, weight_dtype):
@@ -252,8 +259,7 @@ def fp8_gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torc
     checks.check_float("x_TD", x_TD, 2, "torch")
     checks.check_index("token_N", token_N, (None,), x_TD.device)
     checks.check_index("row_of_slot_TK", row_of_slot_TK, (x_TD.shape[0], None), x_TD.device)
-    dtype = autocast_dtype(x_TD)
-    if dtype is None:
+    if autocast_dtype(x_TD) is None:
         checks.check_weights("x_TD", x_TD, w_eIO, counts_e, bias_eO, "torch")
     else:
         checks.check_float("w_eIO", w_eIO, 3, "torch")
@@ -262,12 +268,9 @@ def fp8_gather_grouped_mm(x_TD: torch.Tensor, token_N: torch.Tensor, w_eIO: torc
     triton = resolve_backend(x_TD, backend) == "triton"
     if triton and x_TD.is_cuda:
         check_fp8_tensor_cores(torch.cuda.get_device_capability(x_TD.device), recipe)
-    if dtype is not None:       # as fp8_grouped_mm under autocast
-        with torch.autocast(x_TD.device.type, enabled=False):
-            return fp8.fp8_gather_grouped_mm(x_TD.to(dtype), token_N, w_eIO, counts_e, row_of_slot_TK, recipe,
-                                             None if bias_eO is None else bias_eO.to(dtype), triton, dtype, impl)
-    return fp8.fp8_gather_grouped_mm(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, recipe, bias_eO, triton,
-                                     None, impl)
+    with _fp8_under_autocast(x_TD, bias_eO) as (x_TD, bias_eO, weight_dtype):
+        return fp8.fp8_gather_grouped_mm(x_TD, token_N, w_eIO, counts_e, row_of_slot_TK, recipe, bias_eO, triton,
+                                         weight_dtype, impl)
 
 
 def check_fp8_tensor_cores(capability, recipe: str):

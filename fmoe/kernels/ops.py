@@ -360,8 +360,6 @@ def _routed_mlp_setup(ctx, inputs, output):
     ctx.save_for_backward(x_TD, token_N, slot_N, row_of_slot_TK, counts_e, weight_TK, w1_eDF, w2_eFD, b1_eF, b2_eD,
                           output[1] if keep_hidden else None)
     ctx.activation, ctx.impl = activation, impl
-    # Weights handed in as a deferral's aliases: their GEMMs run while the input gradient travels.
-    ctx.deferral = deferral_of(w1_eDF)
     # h is returned only to be saved: no N x F zero gradient for it on every backward.
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
