@@ -8,14 +8,17 @@ Each rank trains one MoE layer with shared experts (fmoe's FMoETransformerMLP, e
 the ranks; `--attention-seq S`: after a self-attention block; `--layers N`: N such blocks on a residual
 stream) forward+backward, 2048 tokens a rank.
 The modes: overlap="none", "shared", "pipeline", "auto" (which is "pipeline" here), FasterMoE's smart
-schedule, and the step as two micro-batches interleaved (fmoe.interleave_micro_batches, "auto" inside).
+schedule, and the step as two micro-batches interleaved (fmoe.interleave_micro_batches, "auto" inside;
+its two schedules, "lockstep" and "1f1b") or one after the other in line (the loop, their baseline).
 First without a link, overlap="none": the step's compute (and the real, local exchange). The link (`fmoe.distributed.link`) is then set so that the bytes one step carries
 on a rank take as long as that step: communication about equal to compute. Every mode then runs
 under it, the modes taking turns step by step. For each mode,
 
     hidden = (none with the link - mode with the link) / (none with the link - none without it)
 
-is the share of the link's time taken off the step (1: all hidden, 0: none). Medians of the
+is the share of the link's time taken off the step (1: all hidden, 0: none); for the interleaved
+micro-batches also `hidden_of_the_loop`, the same against the loop of the same two micro-batches
+(the link's time of the same work, half-size micro-batches' own cost aside). Medians of the
 slowest rank's step time. Also the largest difference of the mode's outputs and gradients from
 "none" (0.0: bit-identical; the two micro-batches sum each half's tokens apart, so rounding), and
 each mode's step without the link. Prints a table; writes JSON only to --out.
@@ -42,11 +45,15 @@ from fmoe.distributed.pipeline import pipeline_chunks_for  # noqa: E402
 
 # What each row runs: the layer's overlap=, whether FasterMoE's smart schedule (one rank a step)
 # pipelines the exchange with the experts too (an older, opt-in overlap: equal to rounding, not bitwise),
-# and whether the step's tokens run as two micro-batches interleaved (fmoe.interleave_micro_batches:
-# half the tokens each, gradients accumulated; equal to one batch up to rounding, the tokens' sums split).
-MODES = {"none": ("none", False, False), "shared": ("shared", False, False), "pipeline": ("pipeline", False, False),
-         "auto": ("auto", False, False), "pipeline, weight grads in line": ("pipeline", False, False),
-         "shared+schedule": ("shared", True, False), "two micro-batches": ("auto", False, True)}
+# and whether the step's tokens run as two micro-batches (half the tokens each, gradients accumulated;
+# equal to one batch up to rounding, the tokens' sums split): interleaved by fmoe.interleave_micro_batches
+# under its schedule ("1f1b": one's forward beside the other's backward; "lockstep": forwards side by
+# side, then backwards), or one after the other ("loop": the same work with nothing interleaved).
+MODES = {"none": ("none", False, None), "shared": ("shared", False, None), "pipeline": ("pipeline", False, None),
+         "auto": ("auto", False, None), "pipeline, weight grads in line": ("pipeline", False, None),
+         "shared+schedule": ("shared", True, None), "two micro-batches": ("auto", False, "lockstep"),
+         "two micro-batches, 1f1b": ("auto", False, "1f1b"),
+         "two micro-batches, none, loop": ("none", False, "loop")}
 # The rows whose backward computes the experts' weight gradients in line (layer.defer_weight_grads = False):
 # the others send the input gradient first and compute them while it travels (fmoe.kernels.deferred).
 IN_LINE_WEIGHT_GRADS = {"pipeline, weight grads in line"}
@@ -108,8 +115,9 @@ def build(world: int, mode: str, args) -> Stack:
     return Stack(blocks)
 
 
-def step(layer, x, probe, micro_batches=False):
-    """One forward+backward of the tokens x: their outputs and x's gradient."""
+def step(layer, x, probe, micro_batches=None):
+    """One forward+backward of the tokens x (as two micro-batches run as `micro_batches` says: "lockstep",
+    "1f1b", "loop"; None: one batch): their outputs and x's gradient."""
     x = x.detach().requires_grad_(True)
     if not micro_batches:
         y = layer(x)
@@ -121,7 +129,11 @@ def step(layer, x, probe, micro_batches=False):
         (y * probe[rows]).sum().backward()
         return y.detach()
     middle = len(x) // 2
-    ys = fmoe.interleave_micro_batches(layer, half, [slice(0, middle), slice(middle, None)])
+    halves = [slice(0, middle), slice(middle, None)]
+    if micro_batches == "loop":
+        ys = [half(rows) for rows in halves]
+    else:
+        ys = fmoe.interleave_micro_batches(layer, half, halves, schedule=micro_batches)
     return torch.cat(ys), x.grad
 
 
@@ -199,11 +211,12 @@ def rank_main(rank: int, world: int, store: str, args, out_file: str):
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.tokens, args.d_model, generator=g)
     probe = torch.randn(args.tokens, args.d_model, generator=g)
-    layers = {mode: build(world, mode, args) for mode in MODES}
+    modes = [mode for mode in MODES if mode in args.modes]
+    layers = {mode: build(world, mode, args) for mode in modes}
     reference = step(layers["none"], x, probe)
     grads = {n: p.grad.clone() for n, p in layers["none"].named_parameters()}
     difference = {}
-    for mode in list(MODES)[1:]:
+    for mode in modes[1:]:
         out = step(layers[mode], x, probe, MODES[mode][2])
         diffs = [(a - b).abs().max().item() for a, b in zip(out, reference)]
         diffs += [(p.grad - grads[n]).abs().max().item() for n, p in layers[mode].named_parameters()]
@@ -219,19 +232,26 @@ def rank_main(rank: int, world: int, store: str, args, out_file: str):
     gbps = carried * 8 / (compute * 1e9)            # the link's time for one step's bytes = the step's compute
     parts = components(layers["none"], x, probe, args.steps)
     with link.simulated_link(gbps):                 # what overlap="pipeline" picks under this link
-        chunks = pipeline_chunks_for(layers["pipeline"].moe, x.new_empty(args.tokens * args.top_k, 0))
+        chunks = pipeline_chunks_for(build(world, "pipeline", args).moe, x.new_empty(args.tokens * args.top_k, 0))
     with_link = timed_steps(layers, x, probe, args.steps, gbps)
     if rank == 0:
         link_seconds = with_link["none"] - compute
         result = {"world": world, "compute_s": compute, "link_gbps": gbps, "link_bytes_per_step": carried,
                   "link_s": link_seconds, "components_s": parts, "pipeline_chunks": chunks, "modes": {}}
-        for mode in MODES:
+        for mode in modes:
             result["modes"][mode] = {
                 "overlap": layers[mode].moe.overlap, "schedule": MODES[mode][1], "micro_batches": 2 if MODES[mode][2] else 1,
+                "micro_batch_schedule": MODES[mode][2],
                 "defer_weight_grads": mode not in IN_LINE_WEIGHT_GRADS and layers[mode].moe.overlap != "none",
                 "step_s": with_link[mode], "step_s_without_link": without_link[mode],
                 "hidden": (with_link["none"] - with_link[mode]) / link_seconds if link_seconds > 0 else None,
                 "max_difference_from_none": difference.get(mode, 0.0)}
+            if MODES[mode][2] in ("1f1b", "lockstep") and "two micro-batches, none, loop" in with_link:
+                # the same two micro-batches' link time, run one after the other in line, and the share hidden of it
+                loop = "two micro-batches, none, loop"
+                loop_link = with_link[loop] - without_link[loop]
+                result["modes"][mode]["hidden_of_the_loop"] = \
+                    (with_link[loop] - with_link[mode]) / loop_link if loop_link > 0 else None
         with open(out_file, "w") as f:
             json.dump(result, f)
     dist.barrier()
@@ -259,9 +279,12 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=1, help="blocks in the model (each: attention if asked, MoE)")
     parser.add_argument("--attention-seq", type=int, default=0, metavar="S",
                         help="a self-attention block before the MoE layer, over sequences of S tokens (0: none)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE",
+                        help="the rows to run (\"none\" always runs: the others are measured against it); default: all")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 3 steps, small shapes")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    args.modes = ["none"] + [mode for mode in args.modes if mode != "none"]
     if args.quick:
         args.ranks, args.steps, args.tokens, args.d_model, args.d_hidden, args.shared_hidden = [2], 3, 64, 32, 32, 64
     results = [run_world(world, args) for world in args.ranks]
@@ -270,6 +293,8 @@ def main(argv=None):
     for r in results:
         for mode, m in r["modes"].items():
             hidden = "" if m["hidden"] is None else f"{m['hidden']:.2f}"
+            if m.get("hidden_of_the_loop") is not None:
+                hidden += f" ({m['hidden_of_the_loop']:.2f} of the loop's)"
             print(f"{r['world']:>5} {mode:>17} {m['overlap']:>7} {m['step_s'] * 1e3:8.1f} {m['step_s_without_link'] * 1e3:8.1f} {hidden:>7} "
                   f"{m['max_difference_from_none']:9.2g}   ({r['link_gbps']:.3f} Gbit/s, {r['link_s'] * 1e3:.0f} ms; "
                   f"{r['compute_s'] * 1e3:.0f} ms)")

@@ -231,9 +231,10 @@ class TwoLayers(torch.nn.Module):
         return self.moe2(self.dense2(self.moe1(self.dense1(x)).tanh()))
 
 
-def micro_batch_run(rank, world, options, interleave: bool, overlap="auto", micro_batches=4):
+def micro_batch_run(rank, world, options, interleave, overlap="auto", micro_batches=4):
     """`micro_batches` forward+backward passes of a two-layer model accumulating gradients, one after
-    the other or two at a time interleaved (fmoe.interleave_micro_batches): everything each gives."""
+    the other (`interleave` False) or two at a time interleaved (fmoe.interleave_micro_batches; True:
+    its default schedule, else the schedule named): everything each gives."""
     import contextlib
     kw, replay, data_parallel = layer_options(options)
     torch.manual_seed(0)
@@ -268,7 +269,8 @@ def micro_batch_run(rank, world, options, interleave: bool, overlap="auto", micr
         replaying = fmoe.replay_routing(model, trace)
     with replaying:
         if interleave:
-            assert fmoe.interleave_micro_batches(model, step, batches) == list(range(micro_batches))
+            schedule = {} if interleave is True else {"schedule": interleave}
+            assert fmoe.interleave_micro_batches(model, step, batches, **schedule) == list(range(micro_batches))
         else:
             for batch in batches:
                 step(batch)
@@ -287,13 +289,18 @@ INTERLEAVE_CASES = [(name, dict(options, gate_kwargs={"random_routing": False}) 
                     for name, options in OVERLAP_CASES]
 
 
-def check_interleaved_micro_batches_equal_one_after_the_other(rank, world, cases=None):
+def check_interleaved_micro_batches_equal_one_after_the_other(rank, world, cases=None, schedule="lockstep"):
     for name, options in INTERLEAVE_CASES if cases is None else [c for c in INTERLEAVE_CASES if c[0] in cases]:
         for overlap in ("none", "auto"):
             plain, _ = micro_batch_run(rank, world, options, False, overlap)
-            mixed, order = micro_batch_run(rank, world, options, True, overlap)
-            # the second micro-batch began while the first ran (it ran while the first's rows travelled)
-            assert order.index("begin 1") < order.index("end 0") and order.index("begin 3") < order.index("end 2"), (name, overlap, order)
+            mixed, order = micro_batch_run(rank, world, options, schedule, overlap)
+            # Each micro-batch began while the one before ran (it ran while the other's rows travelled):
+            # under "1f1b" once the one before waited in its backward, which the sync-free exchange never
+            # does (its backward's functional collectives are waited for as they are read).
+            # ("lockstep": micro-batch 2 may begin only once 1 has ended, if 1 waits no more after 0 ends.)
+            if not (schedule == "1f1b" and name == "rank-sync-free"):
+                followers = (1, 3) if schedule == "lockstep" else (1, 2, 3)
+                assert all(order.index(f"begin {i}") < order.index(f"end {i - 1}") for i in followers), (name, overlap, order)
             assert mixed.keys() == plain.keys(), name
             differ = [key for key, value in plain.items()
                       if not (torch.equal(value, mixed[key]) if isinstance(value, torch.Tensor) else value == mixed[key])]

@@ -82,6 +82,13 @@ def test_overlap_interleaved_micro_batches_equal_running_them_one_after_the_othe
     run_ranks(overlap_workers.check_interleaved_micro_batches_equal_one_after_the_other, world)
 
 
+def test_overlap_interleaved_one_forward_beside_the_others_backward_equal_running_them_one_after_the_other():
+    """schedule="1f1b": the next micro-batch starts once the one before waits in its backward; the cases
+    whose backward differs most between ranks (shadowing: the owner's graph is not the others')."""
+    run_ranks(overlap_workers.check_interleaved_micro_batches_equal_one_after_the_other, 2,
+              ["slot", "rank-shadow", "slot-shadow", "rank-sync-free", "slot-data-parallel"], "1f1b")
+
+
 def test_overlap_interleaved_random_draws_are_per_micro_batch_and_reproducible():
     run_ranks(overlap_workers.check_interleaved_random_draws_are_the_first_micro_batchs_and_reproducible, 2)
 
@@ -104,6 +111,14 @@ def test_overlap_model_timelines_add_up():
     assert predict(parts, 0.12, "pipeline", 4) < predict(parts, 0.12, "shared")
     with pytest.raises(ValueError, match="mode must be one of"):
         predict(parts, 0.1, "chunks")
+    # two micro-batches one after the other: twice a half step; interleaved, less, whichever schedule
+    loop = predict(parts, 0.12, "pipeline", 4, 2, schedule="loop")
+    assert loop == pytest.approx(2 * predict(parts.scaled(0.5), 0.06, "pipeline", 4))
+    for schedule in ("lockstep", "1f1b"):
+        assert predict(parts, 0.0, "pipeline", 4, 2, schedule=schedule) == pytest.approx(0.18)
+        assert 0.18 <= predict(parts, 0.12, "pipeline", 4, 2, schedule=schedule) < loop, schedule
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        predict(parts, 0.1, "pipeline", 4, 2, schedule="dualpipe")
 
 
 def test_overlap_simulator_predicts_each_measured_mode_within_15_percent():

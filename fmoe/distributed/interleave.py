@@ -62,28 +62,62 @@ def set_random_states(states: tuple):
         torch.cuda.set_rng_state_all(gpus)
 
 
-def second_stream_states() -> tuple:
-    """States of a stream seeded by the next draw of the caller's streams (which are left as they are)."""
+def stream_states(k: int) -> tuple:
+    """States of the k-th (k >= 1) stream seeded by the next draw of the caller's streams (which are left
+    as they are): the k-th micro-batch's own random stream."""
     cpu = torch.Generator()
     cpu.set_state(torch.get_rng_state())
-    seed = int(torch.randint(2**62, (1,), generator=cpu))
+    seed = int(torch.randint(2**62, (1,), generator=cpu)) + k - 1
     return torch.Generator().manual_seed(seed).get_state(), None if not torch.cuda.is_initialized() else \
         [torch.Generator(device=f"cuda:{i}").manual_seed(seed + i).get_state() for i in range(torch.cuda.device_count())]
 
 
-class Turns:
-    """Two workers, one running at a time: each hands the turn on when it waits for a collective and
-    takes it back once the other hands it on (or ends). What each forward leaves on the modules is
-    swapped in and out with the turn."""
+def in_backward() -> bool:
+    """Whether this thread is running a backward (autograd's graph task); on a CPU the engine runs it in
+    the thread that called backward()."""
+    return torch._C._current_graph_task_id() != -1
 
-    def __init__(self, state: List[tuple]):
-        self.state = state
-        self.views = [{key: read(key) for key in state}, {key: fresh(read(key)) for key in state}]
-        # Random draws: the first micro-batch continues the caller's stream, the second draws from a
-        # stream of its own, seeded from the caller's state without consuming it.
-        self.rngs = [random_states(), second_stream_states()]
+
+SCHEDULES = ("lockstep", "1f1b")
+
+
+class Turns:
+    """Micro-batches in workers of their own, at most two admitted at a time and one running: a worker
+    hands the turn on when it waits for a collective, and takes it back once the other hands it on
+    (or ends). What each forward leaves on the modules is swapped in and out with the turn.
+
+    Admission: "lockstep" admits the next micro-batch as soon as fewer than two run (two forwards side
+    by side, then two backwards); "1f1b" once the newest, its forward done, first waits inside its
+    backward (and no older one still runs), so one's forward goes beside the other's backward, as in
+    Megatron-Core's 1F1B all-to-all overlap and DualPipe. Admission and turns depend only on where the
+    workers wait, never on timing: every rank passes them at the same points."""
+
+    def __init__(self, state: List[tuple], count: int, schedule: str = "lockstep"):
+        self.state, self.count, self.schedule = state, count, schedule
+        here = {key: read(key) for key in state}
+        self.views = [here] + [{key: fresh(value) for key, value in here.items()} for _ in range(count - 1)]
+        # Random draws: the first micro-batch continues the caller's stream, the others draw from
+        # streams of their own, seeded from the caller's state without consuming it.
+        self.rngs = [random_states()] + [stream_states(k) for k in range(1, count)]
         self.cond = threading.Condition()
-        self.turn, self.done = 0, [False, False]
+        self.turn, self.done, self.admitted = 0, [False] * count, 1
+        self.backward_seen = [False] * count
+        self._admit()
+
+    def running(self) -> List[int]:
+        return [w for w in range(self.admitted) if not self.done[w]]
+
+    def _admit(self):
+        """Admit the next micro-batch where the schedule allows it (called holding the condition)."""
+        running = self.running()
+        if self.admitted == self.count or len(running) >= 2:
+            return
+        if self.schedule == "lockstep" or not running or self.backward_seen[running[-1]]:
+            self.admitted += 1
+
+    def _other(self, me: int):
+        others = [w for w in self.running() if w != me]
+        return others[0] if others else None
 
     def _save(self, me: int):
         self.views[me] = {key: read(key) for key in self.state}
@@ -95,11 +129,11 @@ class Turns:
             setattr(module, name, value)
         set_random_states(self.rngs[worker])
 
-    def _switch(self, me: int):
-        """Called holding the condition: my view saved, the other's installed, the turn is theirs."""
+    def _switch(self, me: int, to: int):
+        """Called holding the condition: my view saved, `to`'s installed, the turn is theirs."""
         self._save(me)
-        self.install(1 - me)
-        self.turn = 1 - me
+        self.install(to)
+        self.turn = to
         self.cond.notify_all()
 
     def take(self, me: int):
@@ -108,22 +142,27 @@ class Turns:
 
     @contextlib.contextmanager
     def waiting(self, me: int):
-        """Around a wait for a collective: the other worker runs meanwhile (if it has not ended)."""
+        """Around a wait for a collective: another admitted worker runs meanwhile (if one has not ended)."""
         with self.cond:
-            handed = not self.done[1 - me]
-            if handed:
-                self._switch(me)
+            if not self.backward_seen[me] and in_backward():
+                self.backward_seen[me] = True
+            self._admit()
+            other = self._other(me)
+            if other is not None:
+                self._switch(me, other)
         try:
             yield
         finally:
-            if handed:
+            if other is not None:
                 self.take(me)
 
     def end(self, me: int):
         with self.cond:
             self.done[me] = True
-            if not self.done[1 - me]:
-                self._switch(me)
+            self._admit()
+            other = self._other(me)
+            if other is not None:
+                self._switch(me, other)
             else:
                 self._save(me)
 
@@ -168,40 +207,39 @@ def _callers_settings(device_streams: bool):
     return settings
 
 
-def run_pair(model: nn.Module, step: Callable[[Any], Any], first, second) -> tuple:
-    """`step(first)` and `step(second)` interleaved; their results."""
-    turns = Turns(per_micro_batch_state(list(model.modules())))
-    on_gpu = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
-    settings = _callers_settings(on_gpu)
-    workers = [_Worker(turns, i, step, batch, settings) for i, batch in enumerate((first, second))]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    turns.install(1)
-    if on_gpu:
-        torch.cuda.synchronize()        # both streams' work done before the caller's stream reads the gradients
-    for worker in workers:
-        if worker.error is not None:
-            raise worker.error
-    return workers[0].result, workers[1].result
-
-
-def interleave_micro_batches(model: nn.Module, step: Callable[[Any], Any], micro_batches: Sequence) -> list:
-    """`[step(b) for b in micro_batches]`, two micro-batches at a time interleaved (an odd last one alone).
+def interleave_micro_batches(model: nn.Module, step: Callable[[Any], Any], micro_batches: Sequence,
+                             schedule: str = "lockstep") -> list:
+    """`[step(b) for b in micro_batches]`, two micro-batches at a time interleaved.
 
     `step(batch)` runs the forward and backward of one micro-batch (gradients accumulate) and returns
     what the caller wants of it (a loss); `model` is the module whose layers it runs (what their
-    forwards leave is kept per micro-batch). Exact: the same outputs, gradients, routing counts and
-    traffic as the loop."""
+    forwards leave is kept per micro-batch). `schedule="lockstep"` (the default) starts the next
+    micro-batch at the first one's first wait, so two forwards go side by side, then two backwards;
+    `"1f1b"` starts it once the one before waits in its backward, so a forward's exchanges hide behind
+    a backward's compute and the other way round (a backward with no wait of fmoe's, as with the
+    sync-free exchange, then runs the micro-batches one after the other). Exact: the same outputs,
+    gradients, routing counts and traffic as the loop."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be the torch.nn.Module the step runs, got {type(model).__name__}")
     if not callable(step):
         raise TypeError(f"step must be a callable step(micro_batch), got {type(step).__name__}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     micro_batches = list(micro_batches)
-    results = []
-    for i in range(0, len(micro_batches) - 1, 2):
-        results.extend(run_pair(model, step, micro_batches[i], micro_batches[i + 1]))
-    if len(micro_batches) % 2:
-        results.append(step(micro_batches[-1]))
-    return results
+    if len(micro_batches) < 2:
+        return [step(batch) for batch in micro_batches]
+    turns = Turns(per_micro_batch_state(list(model.modules())), len(micro_batches), schedule)
+    on_gpu = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+    settings = _callers_settings(on_gpu)
+    workers = [_Worker(turns, i, step, batch, settings) for i, batch in enumerate(micro_batches)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    turns.install(len(workers) - 1)
+    if on_gpu:
+        torch.cuda.synchronize()        # every stream's work done before the caller's stream reads the gradients
+    for worker in workers:
+        if worker.error is not None:
+            raise worker.error
+    return [worker.result for worker in workers]

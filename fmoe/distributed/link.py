@@ -106,8 +106,8 @@ class Pending:
     """A collective in flight: `wait()` returns once it is done and, under a simulated link, once
     its simulated transfer has arrived. Waiting twice is waiting once."""
 
-    def __init__(self, works, what: str, nbytes: int, link: Optional[Link]):
-        self.works, self.what = works, what
+    def __init__(self, works, what: str, nbytes: int, link: Optional[Link], hands_turn: bool = True):
+        self.works, self.what, self.hands_turn = works, what, hands_turn
         self.ready_at, self.waited = None, False
         if link is not None:
             self.ready_at = max(time.monotonic(), _link_free_at[0]) + link.seconds(nbytes)
@@ -118,11 +118,12 @@ class Pending:
             return
         self.waited = True
         # Every first wait hands an interleaved micro-batch's turn on, empty or not: where turns pass
-        # must not depend on the data, so that every rank issues its collectives in the same order.
+        # must not depend on the data, so that every rank issues its collectives in the same order
+        # (`hands_turn=False`: a wait whose place in the backward differs between ranks keeps the turn).
         # Weight gradients left for this moment (the exchange's backward first) compute while this travels.
         from fmoe.kernels.deferred import run_pending       # here: fmoe.kernels imports this module
         run_pending()
-        with _around_wait():
+        with _around_wait() if self.hands_turn else contextlib.nullcontext():
             for work in self.works:
                 wait(work, self.what)
             self.works = []
@@ -133,11 +134,13 @@ class Pending:
                 self.ready_at = None
 
 
-def start(work, what: str, nbytes: int) -> Pending:
+def start(work, what: str, nbytes: int, hands_turn: bool = True) -> Pending:
     """The async collective(s) `work` (a work handle, a list of them, or None), moving `nbytes` on
-    this rank, as a `Pending`; `what` names the layer and the collective for the timeout message."""
+    this rank, as a `Pending`; `what` names the layer and the collective for the timeout message.
+    `hands_turn=False`: its wait does not hand an interleaved micro-batch's turn on (for a wait that
+    autograd reaches at different places on different ranks)."""
     works = [] if work is None else list(work) if isinstance(work, (list, tuple)) else [work]
-    return Pending(works, what, nbytes, active_link())
+    return Pending(works, what, nbytes, active_link(), hands_turn)
 
 
 def complete(work, what: str, nbytes: int):

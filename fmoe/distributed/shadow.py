@@ -182,9 +182,11 @@ class GradientPush:
         self.received = []
         what = f"{timeout.current_layer()}: shadowed experts' gradient push"
         nbytes = sum(g.numel() * g.element_size() for g in grads)
+        # Its wait keeps an interleaved micro-batch's turn: the owner's autograd graph differs from the
+        # others', so the wait (in `_PushDone`'s backward) comes at another place in each rank's backward.
         if dist.get_backend(group) != "gloo":
             self.pending = start([dist.reduce(g, dst=global_rank(group, o), group=group, async_op=True)
-                                  for g, o in zip(grads, owners)], what, nbytes)
+                                  for g, o in zip(grads, owners)], what, nbytes, hands_turn=False)
             return
         me, world = dist.get_rank(group), dist.get_world_size(group)
         works, sent = [], 0
@@ -198,7 +200,7 @@ class GradientPush:
                     self.received.append(pool.take(f"push:{o}:from:{r}", g.numel(), g).view_as(g))
                     works.append(dist.irecv(self.received[-1], src=global_rank(group, r), group=group))
         received = sum(g.numel() * g.element_size() for g in self.received)
-        self.pending = start(works, what, max(sent, received))
+        self.pending = start(works, what, max(sent, received), hands_turn=False)
 
     def wait(self):
         self.pending.wait()

@@ -18,7 +18,9 @@ operations as the layer runs them; `step_seconds` plays them:
     two micro-batches (`micro_batches=2`): two such lists, each of half the compute and bytes,
                taking turns at every wait (`fmoe.interleave_micro_batches`): the one whose turn it
                is runs until it waits, then the other runs; the first takes the turn back and
-               waits what is left of its transfer
+               waits what is left of its transfer. `schedule="lockstep"`: the second starts at the
+               first's first wait; "1f1b": at the first's first wait in its backward; "loop": once
+               the first has ended (one after the other, nothing interleaved)
 
 `predict(components, link, mode, chunks, micro_batches)`; `fmoe simulate --overlap FILE` holds it
 against `benchmarks/bench_overlap.py`'s measurements.
@@ -72,8 +74,14 @@ def operations(c: Components, link: float, mode: str, chunks: int = 1, defer_wei
     return ops + [("wait", f"gx{i}") for i in range(n)] + [("compute", o_b)]
 
 
-def step_seconds(workers: List[List[Tuple]]) -> float:
-    """Plays one worker's operations, or two taking turns at every wait; one link, first come first served."""
+def backward_begins(ops: List[Tuple]) -> int:
+    """Where a worker's operations enter the backward: its first send of output gradients."""
+    return next(i for i, op in enumerate(ops) if op[0] == "send" and op[1].startswith("gy"))
+
+
+def step_seconds(workers: List[List[Tuple]], admit_at: int = 0) -> float:
+    """Plays one worker's operations, or two taking turns at every wait; one link, first come first
+    served. The second worker starts at the first's first wait at or after operation `admit_at`."""
     now = link_free = 0.0
     ready = [{} for _ in workers]           # per worker: transfer -> when it has arrived
     position = [0] * len(workers)
@@ -86,7 +94,8 @@ def step_seconds(workers: List[List[Tuple]]) -> float:
         op = workers[turn][position[turn]]
         if op[0] == "wait":
             other = 1 - turn
-            if len(workers) == 2 and not handed[turn] and position[other] < len(workers[other]):
+            admitted = turn == 1 or position[0] >= admit_at
+            if len(workers) == 2 and admitted and not handed[turn] and position[other] < len(workers[other]):
                 handed[turn], turn = True, other
                 continue
             handed[turn] = False
@@ -100,15 +109,23 @@ def step_seconds(workers: List[List[Tuple]]) -> float:
     return now
 
 
+SCHEDULES = ("lockstep", "1f1b", "loop")
+
+
 def predict(components: Components, link: float, mode: str, chunks: int = 1, micro_batches: int = 1,
-            defer_weight_grads: bool = True) -> float:
-    """Seconds of a step in `mode` (micro_batches 1, or 2 interleaved, each half the compute and bytes)."""
+            defer_weight_grads: bool = True, schedule: str = "lockstep") -> float:
+    """Seconds of a step in `mode` (micro_batches 1, or 2, each half the compute and bytes, run as
+    `schedule` says: interleaved "lockstep" or "1f1b", or one after the other, "loop")."""
     if micro_batches not in (1, 2):
         raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if micro_batches == 1:
         return step_seconds([operations(components, link, mode, chunks, defer_weight_grads)])
     half = operations(components.scaled(0.5), link / 2, mode, chunks, defer_weight_grads)
-    return step_seconds([half, half])
+    if schedule == "loop":
+        return 2 * step_seconds([half])
+    return step_seconds([half, half], backward_begins(half) if schedule == "1f1b" else 0)
 
 
 # The modes a layer runs (`overlap=`), and the step as two interleaved micro-batches
@@ -144,8 +161,9 @@ def compare_with_bench(bench: dict) -> list:
             chunks = result.get("pipeline_chunks", 1) if measured["overlap"] == "pipeline" else 1
             own = parts.scaled(measured["step_s_without_link"] / parts.total)
             predicted = predict(own, result["link_s"], measured["overlap"], chunks, measured.get("micro_batches", 1),
-                                measured.get("defer_weight_grads", False))
+                                measured.get("defer_weight_grads", False), measured.get("micro_batch_schedule") or "lockstep")
             rows.append({"world": result["world"], "mode": name, "overlap": measured["overlap"], "chunks": chunks,
-                         "micro_batches": measured.get("micro_batches", 1), "measured_s": measured["step_s"],
+                         "micro_batches": measured.get("micro_batches", 1),
+                         "micro_batch_schedule": measured.get("micro_batch_schedule"), "measured_s": measured["step_s"],
                          "predicted_s": predicted, "error": predicted / measured["step_s"] - 1})
     return rows
