@@ -9,7 +9,8 @@ the ranks; `--attention-seq S`: after a self-attention block; `--layers N`: N su
 stream) forward+backward, 2048 tokens a rank.
 The modes: overlap="none", "shared", "pipeline", "auto" (which is "pipeline" here), FasterMoE's smart
 schedule, and the step as two micro-batches interleaved (fmoe.interleave_micro_batches, "auto" inside;
-its two schedules, "lockstep" and "1f1b") or one after the other in line (the loop, their baseline).
+its two schedules, "lockstep" and "1f1b") or one after the other in line (the loop, their baseline),
+and the deduplicated rank exchange ("none", "shared", "pipeline": its last hop in chunks).
 First without a link, overlap="none": the step's compute (and the real, local exchange). The link (`fmoe.distributed.link`) is then set so that the bytes one step carries
 on a rank take as long as that step: communication about equal to compute. Every mode then runs
 under it, the modes taking turns step by step. For each mode,
@@ -18,7 +19,8 @@ under it, the modes taking turns step by step. For each mode,
 
 is the share of the link's time taken off the step (1: all hidden, 0: none); for the interleaved
 micro-batches also `hidden_of_the_loop`, the same against the loop of the same two micro-batches
-(the link's time of the same work, half-size micro-batches' own cost aside). Medians of the
+(the link's time of the same work, half-size micro-batches' own cost aside), and for the rank
+exchange's rows `hidden_of_its_exchange`, against its own "none" (it moves fewer bytes). Medians of the
 slowest rank's step time. Also the largest difference of the mode's outputs and gradients from
 "none" (0.0: bit-identical; the two micro-batches sum each half's tokens apart, so rounding), and
 each mode's step without the link. Prints a table; writes JSON only to --out.
@@ -53,7 +55,11 @@ MODES = {"none": ("none", False, None), "shared": ("shared", False, None), "pipe
          "auto": ("auto", False, None), "pipeline, weight grads in line": ("pipeline", False, None),
          "shared+schedule": ("shared", True, None), "two micro-batches": ("auto", False, "lockstep"),
          "two micro-batches, 1f1b": ("auto", False, "1f1b"),
-         "two micro-batches, none, loop": ("none", False, "loop")}
+         "two micro-batches, none, loop": ("none", False, "loop"),
+         "rank exchange, none": ("none", False, None), "rank exchange, shared": ("shared", False, None),
+         "rank exchange, pipeline": ("pipeline", False, None)}
+# The rows on the deduplicated rank exchange (fewer bytes than the slot exchange's: their own baseline)
+RANK_EXCHANGE = {"rank exchange, none", "rank exchange, shared", "rank exchange, pipeline"}
 # The rows whose backward computes the experts' weight gradients in line (layer.defer_weight_grads = False):
 # the others send the input gradient first and compute them while it travels (fmoe.kernels.deferred).
 IN_LINE_WEIGHT_GRADS = {"pipeline, weight grads in line"}
@@ -109,7 +115,7 @@ def build(world: int, mode: str, args) -> Stack:
         moe = fmoe.FMoETransformerMLP(num_expert=args.experts, world_size=world, d_model=args.d_model,
                                       d_hidden=args.d_hidden, top_k=args.top_k, gate="naive",
                                       shared_expert=args.shared_hidden, overlap=overlap, schedule=schedule,
-                                      schedule_group_size=1)
+                                      schedule_group_size=1, exchange="rank" if mode in RANK_EXCHANGE else "slot")
         moe.defer_weight_grads = mode not in IN_LINE_WEIGHT_GRADS
         blocks.append(Block(moe, args.d_model, args.attention_seq))
     return Stack(blocks)
@@ -232,7 +238,8 @@ def rank_main(rank: int, world: int, store: str, args, out_file: str):
     gbps = carried * 8 / (compute * 1e9)            # the link's time for one step's bytes = the step's compute
     parts = components(layers["none"], x, probe, args.steps)
     with link.simulated_link(gbps):                 # what overlap="pipeline" picks under this link
-        chunks = pipeline_chunks_for(build(world, "pipeline", args).moe, x.new_empty(args.tokens * args.top_k, 0))
+        chunks = pipeline_chunks_for(build(world, "pipeline", args).moe, x.new_empty(args.tokens * args.top_k, 0),
+                                     agree=False)
     with_link = timed_steps(layers, x, probe, args.steps, gbps)
     if rank == 0:
         link_seconds = with_link["none"] - compute
@@ -241,11 +248,18 @@ def rank_main(rank: int, world: int, store: str, args, out_file: str):
         for mode in modes:
             result["modes"][mode] = {
                 "overlap": layers[mode].moe.overlap, "schedule": MODES[mode][1], "micro_batches": 2 if MODES[mode][2] else 1,
-                "micro_batch_schedule": MODES[mode][2],
-                "defer_weight_grads": mode not in IN_LINE_WEIGHT_GRADS and layers[mode].moe.overlap != "none",
+                "micro_batch_schedule": MODES[mode][2], "exchange": layers[mode].moe.exchange,
+                # (the rank exchange computes its experts' weight gradients in line)
+                "defer_weight_grads": mode not in IN_LINE_WEIGHT_GRADS | RANK_EXCHANGE and layers[mode].moe.overlap != "none",
                 "step_s": with_link[mode], "step_s_without_link": without_link[mode],
                 "hidden": (with_link["none"] - with_link[mode]) / link_seconds if link_seconds > 0 else None,
                 "max_difference_from_none": difference.get(mode, 0.0)}
+            own = "rank exchange, none"
+            if mode in RANK_EXCHANGE and own in with_link and mode != own:
+                # the rank exchange's link time, in line, and the share hidden of it
+                own_link = with_link[own] - without_link[own]
+                result["modes"][mode]["hidden_of_its_exchange"] = \
+                    (with_link[own] - with_link[mode]) / own_link if own_link > 0 else None
             if MODES[mode][2] in ("1f1b", "lockstep") and "two micro-batches, none, loop" in with_link:
                 # the same two micro-batches' link time, run one after the other in line, and the share hidden of it
                 loop = "two micro-batches, none, loop"
@@ -295,6 +309,8 @@ def main(argv=None):
             hidden = "" if m["hidden"] is None else f"{m['hidden']:.2f}"
             if m.get("hidden_of_the_loop") is not None:
                 hidden += f" ({m['hidden_of_the_loop']:.2f} of the loop's)"
+            if m.get("hidden_of_its_exchange") is not None:
+                hidden += f" ({m['hidden_of_its_exchange']:.2f} of its own)"
             print(f"{r['world']:>5} {mode:>17} {m['overlap']:>7} {m['step_s'] * 1e3:8.1f} {m['step_s_without_link'] * 1e3:8.1f} {hidden:>7} "
                   f"{m['max_difference_from_none']:9.2g}   ({r['link_gbps']:.3f} Gbit/s, {r['link_s'] * 1e3:.0f} ms; "
                   f"{r['compute_s'] * 1e3:.0f} ms)")

@@ -212,7 +212,8 @@ class SlotExchange(Exchange):
                 and not sharded_by_fsdp(self.layer.experts))
 
     def pipelined(self, x_ND, plan: RoutingPlan, weight_N, experts, alongside: SharedTerm):
-        """The exchange in chunks of local experts, as many as the performance model picks (FP8 rows with fp8=)."""
+        """The exchange in chunks of local experts, as many as the performance model picks and the ranks
+        agree on (FP8 rows with fp8=)."""
         chunks = pipeline_chunks_for(self.layer, x_ND)
         return pipelined_exchange(x_ND, weight_N, plan.exchange, chunked_plan(plan.exchange, plan.counts_E, chunks),
                                   experts, None if alongside.empty else alongside.run, self.fp8_rows)
@@ -261,14 +262,24 @@ class DedupExchange(Exchange):
         pull = self.shadowing and self.shadowing.pull(plan, fold=not scheduled)
         run_here = None if pull is None or scheduled else pull.run_local
         schedule = (self.schedule_group_size, list(self.layer.experts.parameters())) if scheduled else None
+        chunks = self.hop_chunks(x) if pull is None and not scheduled else 1
         with self.sync_free():
             y_TD = dedup.run_hop(plan.dedup, x, weight_TK, lambda x_QD, local, w_QK: call.tokens(x_QD, local, w_QK,
                                                                                                    run_here),
                                  self.layer.backend, schedule, self.meanwhile(alongside),
-                                 None if scheduled else self.fp8_rows)
+                                 None if scheduled else self.fp8_rows, chunks)
         if pull is None:
             return y_TD
         return y_TD + call.tokens(x, plan.home, weight_TK, lambda x_SD, counts_S: pull.forward(x_SD))
+
+    def hop_chunks(self, x) -> int:
+        """overlap="pipeline": the chunks the last hop goes in (1: not chunked), agreed by the ranks. Eager,
+        one tensor, not bounded (sync-free), experts that FSDP2 does not shard; the callers exclude
+        shadowing and the smart schedule. As many as the slot exchange's model picks for the token's slots."""
+        if not (self.pipeline and isinstance(x, torch.Tensor) and self.bound is None
+                and not torch.compiler.is_compiling() and not sharded_by_fsdp(self.layer.experts)):
+            return 1
+        return pipeline_chunks_for(self.layer, x.new_empty(x.shape[0] * self.layer.top_k, 0))
 
 
 def make_dispatcher(layer, shadow_policy, schedule: bool):

@@ -98,10 +98,15 @@ def overlap_run(rank, world, overlap, options, steps=2):
             (y * probe).sum().add(layer.aux_loss or 0).backward()
             seen[f"y{step}"], seen[f"dx{step}"] = y.detach(), x.grad
             seen[f"dropped{step}"], seen[f"counts{step}"] = layer.num_dropped, layer.last_counts_E.clone()
+            seen[f"traffic{step}"] = layer.traffic_bytes
     if data_parallel:
         model.allreduce_params()
     seen.update({f"grad.{n}": p.grad for n, p in layer.named_parameters()})
     return seen
+
+
+# The rank and node exchanges that overlap="pipeline" chunks (not shadowed, not bounded)
+CHUNKED_DEDUP_CASES = ("rank", "node", "rank-recompute-none", "rank-replay")
 
 
 def check_overlap_modes_equal_none(rank, world):
@@ -121,8 +126,13 @@ def check_overlap_modes_equal_none(rank, world):
             # home and the shared experts, and autograd sums their gradients in the order it runs them,
             # which overlap changes: x's gradient is equal to fp32 rounding, everything else bit for bit.
             rounded = [key for key in differ if key.startswith("dx") and "shadow" in name and "rank" in name]
+            if resolved == "pipeline" and name in CHUNKED_DEDUP_CASES:
+                # the rank and node exchanges' last hop in chunks: an expert's rows in several GEMMs, so
+                # the outputs and gradients to rounding; the counts, drops and bytes bit for bit
+                rounded += [key for key in differ if isinstance(plain[key], torch.Tensor) and plain[key].is_floating_point()
+                            and key not in rounded]
             for key in rounded:
-                torch.testing.assert_close(other[key], plain[key], rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(other[key], plain[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
             assert not set(differ) - set(rounded), f"rank {rank}, {name}, overlap={mode}: {differ} differ from 'none'"
 
 
@@ -432,3 +442,42 @@ def check_overlap_weight_grads_run_while_the_input_gradient_travels(rank, world)
     finally:
         exchange._Arrive.backward, link.wait = staticmethod(arrive), wait
         deferred.DeferredWeightGrads.run = run_jobs
+
+
+# Under this link the performance model picks 1 chunk for the first row count, 2 for the second
+LINK, ROWS_PICKING_OTHER_CHUNKS = (1.0, 10.0), (4, 400)
+
+
+def check_pipeline_chunks_the_rank_and_node_exchanges(rank, world):
+    """overlap="pipeline" on the rank and node exchanges: the last hop's rows go in the chunks the ranks
+    agree on (the performance model's picks, which differ here: every rank has other rows), each chunk a
+    dispatch, a weights and a combine all-to-all; and x's gradient flows."""
+    from fmoe.distributed import link
+    cases = [("rank", dict(exchange="rank")), ("node", dict(exchange="node", ranks_per_node=2 if world == 4 else 1))]
+    for name, options in cases:
+        kw, _, _ = layer_options(options)
+        torch.manual_seed(0)
+        layer = fmoe.FMoETransformerMLP(num_expert=E_PER_RANK, world_size=world, overlap="pipeline", **kw)
+        started = []
+        original = link.start
+
+        def counting(work, what, nbytes, hands_turn=True):
+            started.append(what)
+            return original(work, what, nbytes, hands_turn)
+        link.start = counting
+        try:
+            from fmoe.distributed.pipeline import pipeline_chunks_for
+            x = torch.randn(ROWS_PICKING_OTHER_CHUNKS[rank % 2], D, requires_grad=True)
+            with link.simulated_link(*LINK):
+                picks = pipeline_chunks_for(layer, x.new_empty(x.shape[0] * 2, 0), agree=False)
+                started.clear()
+                layer(x).sum().backward()
+        finally:
+            link.start = original
+        pipelined = [what for what in started if "pipelined dispatch" in what and "(backward)" not in what]
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (len(pipelined), picks))
+        assert len({n for n, _ in everyone}) == 1, (name, everyone)        # every rank issued as many
+        assert {p for _, p in everyone} == {1, 2}, (name, everyone)      # the ranks' own picks differ
+        assert everyone[0][0] == 2, (name, everyone)                     # all took the largest
+        assert x.grad is not None and torch.isfinite(x.grad).all(), name

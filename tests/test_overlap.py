@@ -78,6 +78,11 @@ def test_overlap_simulated_link_queues_collectives_in_flight_together(tmp_path):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_overlap_pipeline_chunks_the_rank_and_node_exchanges_in_as_many_chunks_on_every_rank(world):
+    run_ranks(overlap_workers.check_pipeline_chunks_the_rank_and_node_exchanges, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_overlap_interleaved_micro_batches_equal_running_them_one_after_the_other(world):
     run_ranks(overlap_workers.check_interleaved_micro_batches_equal_one_after_the_other, world)
 
@@ -117,6 +122,11 @@ def test_overlap_model_timelines_add_up():
     for schedule in ("lockstep", "1f1b"):
         assert predict(parts, 0.0, "pipeline", 4, 2, schedule=schedule) == pytest.approx(0.18)
         assert 0.18 <= predict(parts, 0.12, "pipeline", 4, 2, schedule=schedule) < loop, schedule
+        # turns that follow the transfers (a what-if: a process group per micro-batch): between the compute
+        # and the loop (greedy, so not always below the turns at every wait)
+        wc = predict(parts, 0.12, "pipeline", 4, 2, schedule=schedule, work_conserving=True)
+        assert 0.18 <= wc <= loop + 1e-9, schedule
+        assert predict(parts, 0.0, "pipeline", 4, 2, schedule=schedule, work_conserving=True) == pytest.approx(0.18)
     with pytest.raises(ValueError, match="schedule must be one of"):
         predict(parts, 0.1, "pipeline", 4, 2, schedule="dualpipe")
 

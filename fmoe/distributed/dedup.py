@@ -76,15 +76,24 @@ def send_back(hop: Hop, y, what: str, fp8: Optional[str] = None):
 
 def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend: Optional[str] = None,
             schedule: Optional[tuple] = None, meanwhile: Optional[Callable[[], None]] = None,
-            fp8: Optional[str] = None):
+            fp8: Optional[str] = None, chunks: int = 1):
     """sum over destinations of the weighted expert outputs for the tokens x_TD (a tensor or a tree
     of them sharing the rows): the rows travel out, `experts(x_QD, local_plan, weight_QK)` runs on
     the last hop's received rows, its output travels back. `schedule`: (group size, the experts'
     parameters) to pipeline a one-hop exchange as FasterMoE's smart schedule does. `meanwhile()` runs
     while the first hop's rows travel (their exchange started, not yet waited for). `fp8`: the rows out
-    and their output gradients out travel as FP8 in this recipe, on every hop."""
+    and their output gradients out travel as FP8 in this recipe, on every hop. `chunks` > 1: the last
+    hop goes in that many chunks pipelined with the experts (`fmoe.distributed.pipeline.pipelined_hop`;
+    one tensor of rows, not bounded, eager)."""
     if schedule is not None:
         return scheduled_hop(hop, x_TD, weight_TK, experts, backend, *schedule)
+    if chunks > 1 and hop.inner is None and hop.bound is None and isinstance(x_TD, torch.Tensor) \
+            and not torch.compiler.is_compiling():
+        from fmoe.distributed.pipeline import pipelined_hop     # here: pipeline imports the exchanges this module does
+        x_ND = kernels.permute(x_TD, hop.pairs, backend)
+        w_NK = weight_TK.index_select(0, hop.pairs.token_N).masked_fill(~hop.slot_mask_NK, 0)
+        y_ND = pipelined_hop(hop, x_ND, w_NK, experts, chunks, meanwhile, fp8)
+        return kernels.sum_rows(y_ND, hop.pairs, backend)
     what = f"{hop.layer}: deduplicated"
     empty = hop.bound is not None and hop.pairs.num_tokens == 0
     if empty:           # a bounded hop's padding, from no token at all
@@ -114,7 +123,7 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
         meanwhile()
         x_QD, w_QK = tree_map(lambda sent: sent.wait(), rows), weights.wait()
     if hop.inner is not None:
-        y_QD = run_hop(hop.inner, x_QD, w_QK, experts, backend, fp8=fp8)
+        y_QD = run_hop(hop.inner, x_QD, w_QK, experts, backend, fp8=fp8, chunks=chunks)
     else:
         y_QD = experts(x_QD, hop.local, w_QK)
     y_ND = tree_map(lambda t: send_back(hop, t, f"{what} combine", fp8 if hop.bound is None else None), y_QD)

@@ -1,5 +1,4 @@
-"""The slot exchange split into chunks of the local experts and pipelined with their GEMMs
-(overlap="pipeline").
+"""The exchanges split into chunks and pipelined with the expert GEMMs (overlap="pipeline").
 
 Chunk c carries, from every rank to every rank, the rows for the experts [j0_c, j1_c) of each
 rank's local experts. All chunks' dispatches start at once (they queue on the link), the layer's
@@ -13,14 +12,26 @@ rank, then position), so its GEMMs are the same calls: the outputs and gradients
 unchunked exchange bit for bit on the torch path (a Triton autotuner may pick another tile for
 the chunk's rows: equal to rounding there). Splitting needs the counts on the host, as the slot
 exchange's splits already do.
+
+The rank and node exchanges (`pipelined_hop`) split their last hop, the one that reaches the experts'
+ranks, into chunks of each destination's rows instead: chunk c carries the c-th share of the (token,
+rank) rows to every rank, and each rank runs its experts on every chunk's rows as they arrive. An
+expert then sees its rows in several GEMMs, so the outputs and gradients equal the unchunked
+exchange to rounding (the weight gradients are sums over the rows, taken chunk by chunk).
+
+The chunk count must be the same on every rank (each chunk is an all-to-all of the group): where
+the performance model picks it from this rank's rows, the ranks agree on the largest pick.
 """
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import torch
 
+import torch.distributed as dist
+
 from fmoe.distributed import link
 from fmoe.distributed.exchange import ExchangePlan, Reorder, expert_major_order, inverse_order, start_all_to_all
+from fmoe.distributed.timeout import current_layer
 from fmoe.distributed.fp8_exchange import FP8Codec
 from fmoe.env import env_int
 from fmoe.perf.perfmodel import PerfModel, pipeline_chunks
@@ -78,9 +89,11 @@ def chunked_plan(exchange: ExchangePlan, sent_counts_E: torch.Tensor, chunks: in
     return ChunkedPlan(plan, send_order_N, inverse_order(send_order_N))
 
 
-def pipeline_chunks_for(layer, x_ND: torch.Tensor) -> int:
+def pipeline_chunks_for(layer, x_ND: torch.Tensor, agree: bool = True) -> int:
     """The chunk count fmoe's performance model picks for the layer's rows (FMOE_FASTER_GLBPLC_* set
-    its throughput and bandwidth; a simulated link its bandwidth and latency), or FMOE_PIPELINE_CHUNKS."""
+    its throughput and bandwidth; a simulated link its bandwidth and latency), or FMOE_PIPELINE_CHUNKS;
+    at most the local experts. `agree`: the ranks of the layer's group agree on the model's picks, each
+    taking the largest (ranks with other row counts may pick otherwise); every rank must call it then."""
     forced = env_int("FMOE_PIPELINE_CHUNKS", 0)
     if forced < 0:
         raise ValueError(f"FMOE_PIPELINE_CHUNKS must be an int >= 1 (0 or unset: the performance model's), "
@@ -91,9 +104,20 @@ def pipeline_chunks_for(layer, x_ND: torch.Tensor) -> int:
     model = PerfModel.from_env(layer.d_model, d_hidden, x_ND.element_size())
     simulated = link.active_link()
     if simulated is None:
-        return pipeline_chunks(model, x_ND.shape[0], layer.num_expert, NCCL_LATENCY_S)
-    return pipeline_chunks(model, x_ND.shape[0], layer.num_expert, simulated.latency_us * 1e-6,
-                           simulated.gbps * 1e9 / 8)
+        chunks = pipeline_chunks(model, x_ND.shape[0], layer.num_expert, NCCL_LATENCY_S)
+    else:
+        chunks = pipeline_chunks(model, x_ND.shape[0], layer.num_expert, simulated.latency_us * 1e-6,
+                                 simulated.gbps * 1e9 / 8)
+    return agreed_chunks(chunks, layer.moe_group) if agree else chunks
+
+
+def agreed_chunks(chunks: int, group) -> int:
+    """The largest of the ranks' chunk counts (one small all-reduce): every rank issues as many all-to-alls."""
+    picks = torch.tensor([chunks], dtype=torch.int64)
+    link.complete(dist.all_reduce(picks, op=dist.ReduceOp.MAX, group=group, async_op=True),
+                  f"{current_layer()}: pipeline chunks all-reduce",
+                  link.all_reduce_bytes(picks.element_size(), dist.get_world_size(group)))
+    return int(picks)
 
 
 def pipelined_exchange(x_ND: torch.Tensor, weight_N: Optional[torch.Tensor], exchange: ExchangePlan,
@@ -134,3 +158,68 @@ def pipelined_exchange(x_ND: torch.Tensor, weight_N: Optional[torch.Tensor], exc
                                           "backward"))
     y_parts = [back.wait() for back in returning]
     return Reorder.apply(torch.cat(y_parts), chunked.return_order_N)
+
+
+def split_evenly(n: int, chunks: int) -> List[int]:
+    """Where n rows split into `chunks` shares as even as can be: share c is [bounds[c], bounds[c + 1])."""
+    return [n * c // chunks for c in range(chunks + 1)]
+
+
+@dataclass
+class HopChunks:
+    """A hop's rows in chunks: chunk c carries the c-th share of the rows to (and from) every rank."""
+    send_splits: List[List[int]]    # per chunk: rows to each rank
+    recv_splits: List[List[int]]    # per chunk: rows from each rank
+    send_order_N: torch.Tensor      # the sent rows (by destination) regrouped chunk-major: chunk, rank
+    received_Q: List[torch.Tensor]  # per chunk: its received rows' places among all the hop's received rows
+
+
+def hop_chunks(send_splits_W: List[int], recv_splits_W: List[int], chunks: int, device) -> HopChunks:
+    """`chunks` chunks of a hop's rows. The sender splits its rows to rank w as the receiver splits
+    those it gets from it (both from the same count), so the two sides agree without telling."""
+    def blocks(splits):
+        starts = [sum(splits[:w]) for w in range(len(splits))]
+        return [(start, split_evenly(n, chunks)) for start, n in zip(starts, splits)]
+    sent, received = blocks(send_splits_W), blocks(recv_splits_W)
+    send_order, received_Q = [], []
+    for c in range(chunks):
+        send_order += [torch.arange(start + b[c], start + b[c + 1]) for start, b in sent]
+        received_Q.append(torch.cat([torch.arange(start + b[c], start + b[c + 1]) for start, b in received]).to(device))
+    return HopChunks(send_splits=[[b[c + 1] - b[c] for _, b in sent] for c in range(chunks)],
+                     recv_splits=[[b[c + 1] - b[c] for _, b in received] for c in range(chunks)],
+                     send_order_N=torch.cat(send_order).to(device), received_Q=received_Q)
+
+
+def pipelined_hop(hop, x_ND: torch.Tensor, w_NK: torch.Tensor, experts: Callable, chunks: int,
+                  meanwhile: Optional[Callable[[], None]] = None, fp8: Optional[str] = None) -> torch.Tensor:
+    """The last hop of the rank or node exchange (`fmoe.routing.Hop`) in `chunks` chunks: x_ND's rows
+    (grouped by destination rank) and their routing weights w_NK out, `experts(x_QD, local_plan,
+    w_QK)` on each chunk's received rows as soon as they are there, the outputs back while the next
+    chunk computes; returns the outputs for x_ND's rows, in their order. `meanwhile()` runs once every
+    chunk's rows have started; `fmoe`'s FP8 rows out and output gradients out with `fp8`."""
+    from fmoe.routing import RoutingPlan        # here: fmoe.routing imports the distributed package
+    what = f"{hop.layer}: deduplicated, pipelined"
+    split = hop_chunks(hop.send_splits_W, hop.recv_splits_W, chunks, x_ND.device)
+    sizes = [sum(splits) for splits in split.send_splits]
+    x_parts = Reorder.apply(x_ND, split.send_order_N).split(sizes)
+    w_parts = Reorder.apply(w_NK, split.send_order_N).split(sizes)
+    started = []
+    for c in range(chunks):
+        rows = start_all_to_all(x_parts[c], split.send_splits[c], split.recv_splits[c], hop.group, f"{what} dispatch",
+                                hop.traffic, "dispatch", None if fp8 is None else FP8Codec(fp8), "forward")
+        weights = start_all_to_all(w_parts[c], split.send_splits[c], split.recv_splits[c], hop.group,
+                                   f"{what} weights", hop.traffic, "routing")
+        started.append((rows, weights))
+    if meanwhile is not None:
+        meanwhile()
+    num_local = int(hop.local.counts_E.numel())
+    returning = []
+    for c, (rows, weights) in enumerate(started):
+        x_QD, w_QK = rows.wait(), weights.wait()
+        local = RoutingPlan.build(hop.local_idx_QK.index_select(0, split.received_Q[c]), num_local, compact=True)
+        y_QD = experts(x_QD, local, w_QK)
+        returning.append(start_all_to_all(y_QD, split.recv_splits[c], split.send_splits[c], hop.group,
+                                          f"{what} combine", hop.traffic, "combine",
+                                          None if fp8 is None else FP8Codec(fp8), "backward"))
+    y = torch.cat([back.wait() for back in returning])
+    return Reorder.apply(y, inverse_order(split.send_order_N))

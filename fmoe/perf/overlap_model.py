@@ -112,10 +112,49 @@ def step_seconds(workers: List[List[Tuple]], admit_at: int = 0) -> float:
 SCHEDULES = ("lockstep", "1f1b", "loop")
 
 
+def work_conserving_seconds(workers: List[List[Tuple]], admit_at: int = 0) -> float:
+    """A what-if beside `step_seconds`: two workers whose turns follow the transfers, not the waits. At
+    a wait whose transfer has arrived a worker goes on; else the other runs if it can (it is not itself
+    waiting for a transfer still under way); else the first of the two transfers to arrive decides.
+    fmoe's turns pass at every wait instead, because both micro-batches issue their collectives on the
+    same process groups, whose order every rank must keep: turns that follow timing need a process
+    group per micro-batch (and give up running every layer's micro-batches in order)."""
+    now = link_free = 0.0
+    ready = [{} for _ in workers]
+    position = [0] * len(workers)
+    turn = 0
+
+    def runnable(w: int) -> bool:
+        if position[w] >= len(workers[w]) or (w == 1 and position[0] < admit_at):
+            return False
+        op = workers[w][position[w]]
+        return op[0] != "wait" or ready[w][op[1]] <= now
+
+    while any(position[w] < len(ops) for w, ops in enumerate(workers)):
+        if not runnable(turn):
+            other = 1 - turn if len(workers) == 2 else turn
+            if other != turn and runnable(other):
+                turn = other
+                continue
+            # neither can run: time passes to the first transfer either waits for
+            now = min(ready[w][workers[w][position[w]][1]] for w in range(len(workers))
+                      if position[w] < len(workers[w]) and not (w == 1 and position[0] < admit_at))
+            continue
+        op = workers[turn][position[turn]]
+        if op[0] == "send":
+            link_free = max(now, link_free) + op[2]
+            ready[turn][op[1]] = link_free
+        elif op[0] == "compute":
+            now += op[1]
+        position[turn] += 1
+    return now
+
+
 def predict(components: Components, link: float, mode: str, chunks: int = 1, micro_batches: int = 1,
-            defer_weight_grads: bool = True, schedule: str = "lockstep") -> float:
+            defer_weight_grads: bool = True, schedule: str = "lockstep", work_conserving: bool = False) -> float:
     """Seconds of a step in `mode` (micro_batches 1, or 2, each half the compute and bytes, run as
-    `schedule` says: interleaved "lockstep" or "1f1b", or one after the other, "loop")."""
+    `schedule` says: interleaved "lockstep" or "1f1b", or one after the other, "loop";
+    `work_conserving`: interleaved turns that follow the transfers, `work_conserving_seconds`)."""
     if micro_batches not in (1, 2):
         raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches!r}")
     if schedule not in SCHEDULES:
@@ -125,7 +164,8 @@ def predict(components: Components, link: float, mode: str, chunks: int = 1, mic
     half = operations(components.scaled(0.5), link / 2, mode, chunks, defer_weight_grads)
     if schedule == "loop":
         return 2 * step_seconds([half])
-    return step_seconds([half, half], backward_begins(half) if schedule == "1f1b" else 0)
+    play = work_conserving_seconds if work_conserving else step_seconds
+    return play([half, half], backward_begins(half) if schedule == "1f1b" else 0)
 
 
 # The modes a layer runs (`overlap=`), and the step as two interleaved micro-batches
@@ -158,12 +198,20 @@ def compare_with_bench(bench: dict) -> list:
         for name, measured in result["modes"].items():
             if measured.get("schedule") or measured["overlap"] not in MODES:
                 continue                    # FasterMoE's smart schedule: its own model (fmoe simulate)
+            if measured.get("exchange", "slot") != "slot":
+                continue                    # the rank exchange: other bytes and parts than the run measured
             chunks = result.get("pipeline_chunks", 1) if measured["overlap"] == "pipeline" else 1
             own = parts.scaled(measured["step_s_without_link"] / parts.total)
+            schedule = measured.get("micro_batch_schedule") or "lockstep"
             predicted = predict(own, result["link_s"], measured["overlap"], chunks, measured.get("micro_batches", 1),
-                                measured.get("defer_weight_grads", False), measured.get("micro_batch_schedule") or "lockstep")
+                                measured.get("defer_weight_grads", False), schedule)
+            what_if = {}
+            if measured.get("micro_batches", 1) == 2 and schedule != "loop":
+                what_if["work_conserving_predicted_s"] = predict(
+                    own, result["link_s"], measured["overlap"], chunks, 2, measured.get("defer_weight_grads", False),
+                    schedule, work_conserving=True)
             rows.append({"world": result["world"], "mode": name, "overlap": measured["overlap"], "chunks": chunks,
                          "micro_batches": measured.get("micro_batches", 1),
                          "micro_batch_schedule": measured.get("micro_batch_schedule"), "measured_s": measured["step_s"],
-                         "predicted_s": predicted, "error": predicted / measured["step_s"] - 1})
+                         "predicted_s": predicted, "error": predicted / measured["step_s"] - 1, **what_if})
     return rows
