@@ -48,7 +48,8 @@ def resolve_overlap(overlap, world_size: int, exchange_kind: str = "slot", num_e
     """`overlap=` as the layer runs it. "auto" across ranks: "pipeline" for the slot exchange with two
     or more experts a rank (the exchange chunked by experts and pipelined with their GEMMs, the shared
     experts alongside: exact, and it pays whenever the exchange takes time), else "shared" (the shared
-    experts while the dispatch travels); on one rank "none" (nothing travels)."""
+    experts while the dispatch travels; the rank and node exchanges in chunks are equal only to
+    rounding, so they are "pipeline" when asked for by name); on one rank "none" (nothing travels)."""
     if overlap not in OVERLAP_MODES:
         raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {overlap!r}")
     if overlap == "auto":
@@ -113,7 +114,7 @@ class Exchange(OneRank):
         # deep copy of the layer shares it)
         self.bound, self.node_group = bound, node_group
         # overlap="shared": the dispatch is started, the layer's work alongside runs, then it is waited for;
-        # "pipeline" too, and the slot exchange goes in chunks of experts (fmoe.distributed.pipeline)
+        # "pipeline" too, and the exchange goes in chunks (fmoe.distributed.pipeline)
         self.overlap_shared = layer.overlap in ("shared", "pipeline")
         self.pipeline = layer.overlap == "pipeline"
 

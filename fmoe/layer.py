@@ -70,10 +70,11 @@ class FMoE(ForgetsLastForward, nn.Module):
 
     `overlap` hides communication behind compute across ranks: "shared" runs the shared experts
     while the dispatch travels (and their backward while the rows' gradients travel back),
-    "pipeline" also splits the slot exchange into chunks of experts pipelined with their GEMMs
-    (`fmoe.distributed.pipeline`), "none" waits for every exchange in line, "auto" (the default) is
-    "pipeline" for the slot exchange with two or more experts a rank, else "shared"; every mode
-    gives bit-identical outputs and gradients (`fmoe.dispatch`).
+    "pipeline" also splits the slot exchange into chunks of experts pipelined with their GEMMs, and the
+    rank and node exchanges' last hop into chunks of rows (`fmoe.distributed.pipeline`), "none" waits
+    for every exchange in line, "auto" (the default) is "pipeline" for the slot exchange with two or
+    more experts a rank, else "shared"; every mode gives bit-identical outputs and gradients
+    (`fmoe.dispatch`), but for the rank and node exchanges in chunks (to rounding).
 
     Routing runs in fp32; for an fp16 / bf16 input the combine weights are rounded to the input's
     dtype first, as FastMoE's gates return them and transformers' MoE blocks cast them.

@@ -169,7 +169,7 @@ def predict(components: Components, link: float, mode: str, chunks: int = 1, mic
 
 
 # The modes a layer runs (`overlap=`), and the step as two interleaved micro-batches
-PREDICTED = ("none", "shared", "pipeline", "two micro-batches")
+PREDICTED = ("none", "shared", "pipeline", "two micro-batches", "two micro-batches, 1f1b")
 
 
 def cluster_modes(model, rows: float, tokens: int, shared_hidden: int, max_chunks: int,
@@ -185,7 +185,8 @@ def cluster_modes(model, rows: float, tokens: int, shared_hidden: int, max_chunk
     return {"chunks": chunks, "seconds": {
         "none": predict(parts, link, "none"), "shared": predict(parts, link, "shared"),
         "pipeline": predict(parts, link, "pipeline", chunks),
-        "two micro-batches": predict(parts, link, "pipeline", chunks, micro_batches=2)}}
+        "two micro-batches": predict(parts, link, "pipeline", chunks, micro_batches=2),
+        "two micro-batches, 1f1b": predict(parts, link, "pipeline", chunks, micro_batches=2, schedule="1f1b")}}
 
 
 def compare_with_bench(bench: dict) -> list:

@@ -314,7 +314,7 @@ def run(args) -> List[dict]:
           f"{args.tokens_per_gpu} tokens/GPU, top-{args.top_k}, {args.flops:.3g} FLOP/s, {args.net_bw:.3g} B/s, "
           f"{args.exchange} exchange")
     print(f"{'dist':>10s}{'GPUs':>6s}" + "".join(f"{s:>10s}" for s in STRATEGIES) + f"{'shadow x':>10s}{'sched x':>9s}"
-          f"{'both x':>8s}{'rows x slot':>12s}   overlap= none / shared / pipeline / two micro-batches (ms)")
+          f"{'both x':>8s}{'rows x slot':>12s}   overlap= none / shared / pipeline / two micro-batches / 1f1b (ms)")
     for r in rows:
         t, s, o = r["seconds"], r["speedup"], r["overlap"]["seconds"]
         print(f"{r['distribution']:>10s}{r['gpus']:>6d}" + "".join(f"{t[k] * 1e3:10.2f}" for k in STRATEGIES)
