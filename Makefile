@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup check-setup demo test docs test-8-ranks test-compat test-gpu-stack test-modes aot test-megatron19 test-megatron-parallel test-fastmoe test-torchtitan clean
+.PHONY: setup check-setup demo test docs test-8-ranks test-gpu-check-dry test-compat test-gpu-stack test-modes aot test-megatron19 test-megatron-parallel test-fastmoe test-torchtitan clean
 
 # One pip install, so torch is installed at most once. The venv sees the system site-packages: an installed
 # torch (CPU or CUDA) is pinned as it is, never replaced, and triton follows it. Where there is none, TORCH (the
@@ -78,6 +78,10 @@ test-compat: .venv-compat-oldest/.installed .venv-compat-newest/.installed
 	  .venv-compat-$$v/bin/python -c 'import torch, triton, numpy, transformers, pytest; print("'$$v':", *(f"{m.__name__} {m.__version__}" for m in (torch, triton, numpy, transformers, pytest)))' && \
 	  OMP_NUM_THREADS=1 .venv-compat-$$v/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) -k '$(COMPAT_SKIP)' || exit 1; \
 	done
+
+# benchmarks/gpu_check.sh's CPU dry run (its steps at tiny shapes, so it cannot rot before a GPU runs it); in CI.
+test-gpu-check-dry: setup
+	FMOE_TEST_GPU_CHECK_DRY=1 $(BIN)/python -m pytest -q tests/test_gpu_check.py -k dry_run
 
 # The exchanges at 8 gloo ranks (two and four nodes) against one process; CI runs it after `make test`.
 test-8-ranks: setup

@@ -1,9 +1,11 @@
-"""Two micro-batches whose steps interleave, so one's exchanges travel while the other computes.
+"""Micro-batches whose steps interleave two at a time, so one's exchanges travel while the other computes.
 
-    results = fmoe.interleave_micro_batches(model, step, [batch_a, batch_b])
+    results = fmoe.interleave_micro_batches(model, step, [batch_a, batch_b])          # lockstep
+    results = fmoe.interleave_micro_batches(model, step, batches, schedule="1f1b")    # forward beside backward
 
 runs `step(batch)` (a forward and its backward; gradients accumulate as they would one after the
-other) for each micro-batch, two at a time: each in a thread of its own, taking turns. A micro-batch
+other) for each micro-batch, two at a time: each in a thread of its own, taking turns (`Turns` says
+when the next one is admitted: at once, or once the one before waits in its backward). A micro-batch
 runs until it waits for one of fmoe's collectives (a dispatch, a combine, a count exchange, a
 shadow pull, forward or backward: every `fmoe.distributed.link.Pending.wait`), and hands the turn to
 the other, which computes (its attention, its shared and routed experts, its backward) while the
@@ -14,10 +16,11 @@ collective is waited for, so any model of fmoe layers interleaves without being 
 Exact: only one micro-batch runs at a time, and the turns pass at the same points on every rank
 (never by timing), so every rank issues the same collectives in the same order, each layer sees
 micro-batch A before B (forwards, recomputes, backwards), and the gradients are those of running
-A then B (two fp32 additions per parameter commute), with one exception: random draws (dropout, a
-gate's random routing or noise). The first micro-batch draws from the caller's random stream, as it
-would alone; the second from a stream of its own, seeded from the caller's (which it leaves as it is),
-so its draws differ from the loop's second micro-batch's, reproducibly. What a forward leaves on a module
+A then B (each micro-batch's backward reaches a layer after the one before's), with one exception:
+random draws (dropout, a gate's random routing or noise). The first micro-batch draws from the
+caller's random stream, as it would alone; the k-th from a stream of its own, seeded from the caller's
+(which it leaves as it is), so its draws differ from the loop's, reproducibly. A wait that autograd
+reaches at different places on different ranks (the shadowed experts' gradient push) keeps the turn. What a forward leaves on a module
 (`per_micro_batch_attrs`: the aux loss, the routing counts, the bytes sent) is kept per
 micro-batch, so each step sees its own, and the model ends with the last micro-batch's, as after
 running them one after the other. On a GPU each micro-batch runs on a CUDA stream of its own.
