@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup check-setup demo test docs test-8-ranks test-gpu-check-dry test-compat test-gpu-stack test-modes aot test-megatron19 test-megatron-parallel test-fastmoe test-torchtitan clean
+.PHONY: setup check-setup demo test docs test-8-ranks test-gpu-check-dry test-faults test-deepspeed test-compat test-gpu-stack test-modes aot test-megatron19 test-megatron-parallel test-fastmoe test-torchtitan clean
 
 # One pip install, so torch is installed at most once. The venv sees the system site-packages: an installed
 # torch (CPU or CUDA) is pinned as it is, never replaced, and triton follows it. Where there is none, TORCH (the
@@ -78,6 +78,14 @@ test-compat: .venv-compat-oldest/.installed .venv-compat-newest/.installed
 	  .venv-compat-$$v/bin/python -c 'import torch, triton, numpy, transformers, pytest; print("'$$v':", *(f"{m.__name__} {m.__version__}" for m in (torch, triton, numpy, transformers, pytest)))' && \
 	  OMP_NUM_THREADS=1 .venv-compat-$$v/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) -k '$(COMPAT_SKIP)' || exit 1; \
 	done
+
+# Fault injection (kills, signals, full disks, stopped and missing ranks) with real processes; in CI.
+test-faults: setup
+	FMOE_TEST_FAULTS=1 $(BIN)/python -m pytest -q tests/test_fault_train.py tests/test_fault_dist.py
+
+# DeepSpeed's engine, ZeRO stages and launcher around fmoe's layer; in CI.
+test-deepspeed: setup
+	FMOE_TEST_DEEPSPEED=1 $(BIN)/python -m pytest -q tests/test_deepspeed.py
 
 # benchmarks/gpu_check.sh's CPU dry run (its steps at tiny shapes, so it cannot rot before a GPU runs it); in CI.
 test-gpu-check-dry: setup

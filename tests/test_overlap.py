@@ -94,6 +94,18 @@ def test_overlap_interleaved_one_forward_beside_the_others_backward_equal_runnin
               ["slot", "rank-shadow", "slot-shadow", "rank-sync-free", "slot-data-parallel"], "1f1b")
 
 
+def test_overlap_example_trains_interleaved_micro_batches_equal_to_the_loop():
+    """examples/overlap_micro_batches.py as the docs run it, at small shapes: both loops, the same weights."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "examples/overlap_micro_batches.py", "--schedule", "1f1b", "--steps", "2",
+                          "--tokens", "64", "--seq", "16", "--layers", "1", "--gbps", "1"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "bit for bit: True" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+
+
 def test_overlap_interleaved_random_draws_are_per_micro_batch_and_reproducible():
     run_ranks(overlap_workers.check_interleaved_random_draws_are_the_first_micro_batchs_and_reproducible, 2)
 

@@ -20,10 +20,10 @@ A then B (each micro-batch's backward reaches a layer after the one before's), w
 random draws (dropout, a gate's random routing or noise). The first micro-batch draws from the
 caller's random stream, as it would alone; the k-th from a stream of its own, seeded from the caller's
 (which it leaves as it is), so its draws differ from the loop's, reproducibly. A wait that autograd
-reaches at different places on different ranks (the shadowed experts' gradient push) keeps the turn. What a forward leaves on a module
-(`per_micro_batch_attrs`: the aux loss, the routing counts, the bytes sent) is kept per
-micro-batch, so each step sees its own, and the model ends with the last micro-batch's, as after
-running them one after the other. On a GPU each micro-batch runs on a CUDA stream of its own.
+reaches at different places on different ranks (the shadowed experts' gradient push) keeps the turn.
+What a forward leaves on a module (`per_micro_batch_attrs`: the aux loss, the routing counts, the
+bytes sent) is kept per micro-batch, so each step sees its own, and the model ends with the last
+micro-batch's, as after running them one after the other. On a GPU each micro-batch runs on a CUDA stream of its own.
 
 Not for DDP's own reducer (its hooks fire from both backwards at once): reduce after the step, as
 `DistributedGroupedDataParallel.allreduce_params()` does.
