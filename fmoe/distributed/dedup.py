@@ -84,16 +84,9 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
     while the first hop's rows travel (their exchange started, not yet waited for). `fp8`: the rows out
     and their output gradients out travel as FP8 in this recipe, on every hop. `chunks` > 1: the last
     hop goes in that many chunks pipelined with the experts (`fmoe.distributed.pipeline.pipelined_hop`;
-    one tensor of rows, not bounded, eager)."""
+    the caller passes it only for one tensor of rows, not bounded, eager)."""
     if schedule is not None:
         return scheduled_hop(hop, x_TD, weight_TK, experts, backend, *schedule)
-    if chunks > 1 and hop.inner is None and hop.bound is None and isinstance(x_TD, torch.Tensor) \
-            and not torch.compiler.is_compiling():
-        from fmoe.distributed.pipeline import pipelined_hop     # here: pipeline imports the exchanges this module does
-        x_ND = kernels.permute(x_TD, hop.pairs, backend)
-        w_NK = weight_TK.index_select(0, hop.pairs.token_N).masked_fill(~hop.slot_mask_NK, 0)
-        y_ND = pipelined_hop(hop, x_ND, w_NK, experts, chunks, meanwhile, fp8)
-        return kernels.sum_rows(y_ND, hop.pairs, backend)
     what = f"{hop.layer}: deduplicated"
     empty = hop.bound is not None and hop.pairs.num_tokens == 0
     if empty:           # a bounded hop's padding, from no token at all
@@ -103,6 +96,9 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
     else:
         x_ND = tree_map(lambda t: kernels.permute(t, hop.pairs, backend), x_TD)
         w_NK = weight_TK.index_select(0, hop.pairs.token_N).masked_fill(~hop.slot_mask_NK, 0)
+    if chunks > 1 and hop.inner is None:    # the caller chunks only where it can (DedupExchange.hop_chunks)
+        from fmoe.distributed.pipeline import pipelined_hop     # here: pipeline imports the exchanges this module does
+        return kernels.sum_rows(pipelined_hop(hop, x_ND, w_NK, experts, chunks, meanwhile, fp8), hop.pairs, backend)
     if fp8 is not None and isinstance(x_ND, torch.Tensor) and hop.bound is None:
         if meanwhile is None or torch.compiler.is_compiling():
             if meanwhile is not None:
