@@ -8,7 +8,8 @@ Each rank trains one MoE layer with shared experts (fmoe's FMoETransformerMLP, e
 the ranks; `--attention-seq S`: after a self-attention block; `--layers N`: N such blocks on a residual
 stream) forward+backward, 2048 tokens a rank.
 The modes: overlap="none", "shared", "pipeline", "auto" (which is "pipeline" here), FasterMoE's smart
-schedule, and the step as two micro-batches interleaved (fmoe.interleave_micro_batches, "auto" inside;
+schedule, and the step as two micro-batches interleaved (fmoe.interleave_micro_batches, "auto" inside, which
+sends in one chunk there;
 its two schedules, "lockstep" and "1f1b") or one after the other in line (the loop, their baseline),
 and the deduplicated rank exchange ("none", "shared", "pipeline": its last hop in chunks).
 First without a link, overlap="none": the step's compute (and the real, local exchange). The link (`fmoe.distributed.link`) is then set so that the bytes one step carries

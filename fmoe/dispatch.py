@@ -113,10 +113,16 @@ class Exchange(OneRank):
         # sync_free: rows to each rank; the node exchange's `NodeGroup` (held, not its process group: a
         # deep copy of the layer shares it)
         self.bound, self.node_group = bound, node_group
-        # overlap="shared": the dispatch is started, the layer's work alongside runs, then it is waited for;
-        # "pipeline" too, and the exchange goes in chunks (fmoe.distributed.pipeline)
+        # overlap="shared": the combine is started, the layer's work alongside runs, then it is waited for
+        # (the dispatch waited for as it starts); "pipeline" too, and the exchange goes in
+        # chunks (fmoe.distributed.pipeline)
         self.overlap_shared = layer.overlap in ("shared", "pipeline")
         self.pipeline = layer.overlap == "pipeline"
+
+    def start_combine(self, y_RD, plan: RoutingPlan) -> exchange.InFlight:
+        if self.overlap_shared:
+            return exchange.start_combine(y_RD, plan)
+        return exchange.InFlight(exchange.combine(y_RD, plan))
 
     def start_dispatch(self, x_ND, plan: RoutingPlan, kind: str = "dispatch") -> exchange.InFlight:
         if self.overlap_shared:
@@ -124,7 +130,10 @@ class Exchange(OneRank):
         return exchange.InFlight(exchange.dispatch(x_ND, plan, kind))
 
     def travelling(self, alongside: SharedTerm):
-        """The dispatch is started: under overlap="shared" the work alongside runs now, while it travels."""
+        """An exchange is started: under overlap="shared" the work alongside runs now, while it travels.
+        The combine where the dispatch and combine are the layer's own (the dispatch where the combine's
+        gradient is not: FP8): autograd then runs the work's backward while the output gradients travel
+        out, as it takes what was made last first; during the dispatch it would wait for them first."""
         if self.overlap_shared:
             alongside.run()
 
@@ -198,9 +207,10 @@ class SlotExchange(Exchange):
                     return kernels.sum_rows(y_ND, plan, backend).to(autocast_dtype(x) or x.dtype)
                 rows = self.start_dispatch(x_ND, plan)
                 weights = self.start_dispatch(weight_N[:, None], plan, "routing")
-                self.travelling(alongside)
                 x_RD, weight_R = rows.wait(), weights.wait()[:, 0]
-                y_ND = exchange.combine(call.rows(x_RD, plan.local_counts_e, weight_R), plan)
+                y_ND = self.start_combine(call.rows(x_RD, plan.local_counts_e, weight_R), plan)
+                self.travelling(alongside)
+                y_ND = y_ND.wait()
             return kernels.sum_rows(y_ND, plan, backend).to(autocast_dtype(x) or x.dtype)
         y_ND = self.layer.experts_call.checked(self.run_rows(x_ND, plan, alongside))
         return tree_map(lambda t: kernels.unpermute(t, plan, weight_TK, backend), y_ND)
@@ -243,10 +253,10 @@ class SlotExchange(Exchange):
                 x_RD = fp8_exchange.dispatch(x_sent, plan, self.fp8_rows)
             y_sent = fp8_exchange.combine(call.rows(x_RD, plan.local_counts_e), plan, self.fp8_rows)
         else:
-            rows = self.start_dispatch(x_sent, plan)
+            x_RD = self.start_dispatch(x_sent, plan).wait()
+            y_sent = self.start_combine((pull.run_local if pull else call.rows)(x_RD, plan.local_counts_e), plan)
             self.travelling(alongside)
-            x_RD = rows.wait()
-            y_sent = exchange.combine((pull.run_local if pull else call.rows)(x_RD, plan.local_counts_e), plan)
+            y_sent = y_sent.wait()
         return y_sent if pull is None else torch.cat([y_sent, pull.forward(x_home)])
 
 

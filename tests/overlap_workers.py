@@ -481,3 +481,40 @@ def check_pipeline_chunks_the_rank_and_node_exchanges(rank, world):
         assert {p for _, p in everyone} == {1, 2}, (name, everyone)      # the ranks' own picks differ
         assert everyone[0][0] == 2, (name, everyone)                     # all took the largest
         assert x.grad is not None and torch.isfinite(x.grad).all(), name
+
+
+def check_interleaved_turns_pass_once_an_exchange_at_the_same_collectives_on_every_rank(rank, world):
+    """Two micro-batches through two slot-exchange layers, overlap="auto": the rows go in one chunk (no
+    chunk count agreed: the other micro-batch is what they hide behind), the turn never passes at the
+    routing weights' wait (it follows the rows', started with them): once an exchange, at the same
+    collectives, in the same order, on every rank."""
+    from fmoe.distributed import interleave
+    made, started = [], []
+    original_init, original_start = interleave.Turns.__init__, link.start
+
+    def remember(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        made.append(self)
+
+    def record(work, what, nbytes, hands_turn=True):
+        started.append(what)
+        return original_start(work, what, nbytes, hands_turn)
+    interleave.Turns.__init__, link.start = remember, record
+    try:
+        micro_batch_run(rank, world, dict(exchange="slot"), True, "auto", micro_batches=2)
+    finally:
+        interleave.Turns.__init__, link.start = original_init, original_start
+    (turns,) = made
+    assert not [what for what in started if "chunks all-reduce" in what], started
+    # one dispatch of rows a micro-batch and layer, forward (its gradient back in the backward)
+    rows_out = [what for what in started if what.endswith("dispatch all-to-all") and "routing" not in what]
+    assert len(rows_out) == 2 * 2, rows_out
+    # Once an exchange: the counts, the rows out, the outputs back, their gradients out, and the rows'
+    # gradients back (with the routing weights', whichever of the two is waited for first) - never at
+    # the forward routing weights', waited for right after the rows
+    assert not [what for _, what in turns.passes if what.endswith("routing all-to-all")], turns.passes
+    for worker in (0, 1):
+        assert len([what for w, what in turns.passes if w == worker]) == 2 * 5, turns.passes
+    everyone = [None] * world
+    dist.all_gather_object(everyone, turns.passes)
+    assert all(passes == turns.passes for passes in everyone), everyone

@@ -87,6 +87,12 @@ def test_overlap_interleaved_micro_batches_equal_running_them_one_after_the_othe
     run_ranks(overlap_workers.check_interleaved_micro_batches_equal_one_after_the_other, world)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlap_interleaved_turns_pass_once_an_exchange_at_the_same_collectives_on_every_rank(world):
+    run_ranks(overlap_workers.check_interleaved_turns_pass_once_an_exchange_at_the_same_collectives_on_every_rank,
+              world)
+
+
 def test_overlap_interleaved_one_forward_beside_the_others_backward_equal_running_them_one_after_the_other():
     """schedule="1f1b": the next micro-batch starts once the one before waits in its backward; the cases
     whose backward differs most between ranks (shadowing: the owner's graph is not the others')."""
@@ -120,18 +126,23 @@ def test_overlap_model_timelines_add_up():
         assert predict(parts, 0.0, mode, chunks, micro) == pytest.approx(0.18)
         step = predict(parts, 0.12, mode, chunks, micro)
         assert 0.18 <= step < 0.30, (mode, chunks, micro, step)
-    # shared hides the dispatch behind the shared experts' forward and the output gradients behind their
-    # backward: 0.02 and 0.04 of compute against legs of 0.03 each; and, the weight gradients deferred,
+    # shared hides the combine (the outputs' way back) behind the shared experts' forward and the output
+    # gradients behind their backward: 0.02 and 0.04 of compute against legs of 0.03 each; and, the weight gradients deferred,
     # the input gradients behind them (0.03: half the experts' 0.06 of backward, against a leg of 0.03)
     assert predict(parts, 0.12, "shared", defer_weight_grads=False) == pytest.approx(0.30 - 0.02 - 0.03)
     assert predict(parts, 0.12, "shared") == pytest.approx(0.30 - 0.02 - 0.03 - 0.03)
     assert predict(parts, 0.12, "pipeline", 4) < predict(parts, 0.12, "shared")
     with pytest.raises(ValueError, match="mode must be one of"):
         predict(parts, 0.1, "chunks")
-    # two micro-batches one after the other: twice a half step; interleaved, less, whichever schedule
-    loop = predict(parts, 0.12, "pipeline", 4, 2, schedule="loop")
-    assert loop == pytest.approx(2 * predict(parts.scaled(0.5), 0.06, "pipeline", 4))
+    # two micro-batches one after the other: twice a half step; interleaved (in one chunk, whatever
+    # `chunks` says: the other micro-batch computes meanwhile), less than the loop of the same mode,
+    # whichever schedule
+    assert predict(parts, 0.12, "pipeline", 4, 2, schedule="loop") == \
+        pytest.approx(2 * predict(parts.scaled(0.5), 0.06, "pipeline", 4))
+    loop = predict(parts, 0.12, "shared", 1, 2, schedule="loop")
     for schedule in ("lockstep", "1f1b"):
+        assert predict(parts, 0.12, "pipeline", 4, 2, schedule=schedule) == predict(parts, 0.12, "shared", 1, 2,
+                                                                                     schedule=schedule)
         assert predict(parts, 0.0, "pipeline", 4, 2, schedule=schedule) == pytest.approx(0.18)
         assert 0.18 <= predict(parts, 0.12, "pipeline", 4, 2, schedule=schedule) < loop, schedule
         # turns that follow the transfers (a what-if: a process group per micro-batch): between the compute

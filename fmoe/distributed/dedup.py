@@ -81,7 +81,7 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
     of them sharing the rows): the rows travel out, `experts(x_QD, local_plan, weight_QK)` runs on
     the last hop's received rows, its output travels back. `schedule`: (group size, the experts'
     parameters) to pipeline a one-hop exchange as FasterMoE's smart schedule does. `meanwhile()` runs
-    while the first hop's rows travel (their exchange started, not yet waited for). `fp8`: the rows out
+    while the first hop's outputs travel back (FP8, bounded or traced: while its rows travel out). `fp8`: the rows out
     and their output gradients out travel as FP8 in this recipe, on every hop. `chunks` > 1: the last
     hop goes in that many chunks pipelined with the experts (`fmoe.distributed.pipeline.pipelined_hop`;
     the caller passes it only for one tensor of rows, not bounded, eager)."""
@@ -99,6 +99,10 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
     if chunks > 1 and hop.inner is None:    # the caller chunks only where it can (DedupExchange.hop_chunks)
         from fmoe.distributed.pipeline import pipelined_hop     # here: pipeline imports the exchanges this module does
         return kernels.sum_rows(pipelined_hop(hop, x_ND, w_NK, experts, chunks, meanwhile, fp8), hop.pairs, backend)
+    # The work alongside runs while the outputs travel back (so its backward while their gradients travel
+    # out: autograd takes what was made last first), where they go back as one started all-to-all.
+    while_back = (meanwhile is not None and fp8 is None and hop.bound is None and isinstance(x_ND, torch.Tensor)
+                  and not torch.compiler.is_compiling())
     if fp8 is not None and isinstance(x_ND, torch.Tensor) and hop.bound is None:
         if meanwhile is None or torch.compiler.is_compiling():
             if meanwhile is not None:
@@ -116,13 +120,20 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
     else:
         rows = tree_map(lambda t: start_send(hop, t, f"{what} dispatch", "dispatch"), x_ND)
         weights = start_send(hop, w_NK, f"{what} weights", "routing")
-        meanwhile()
+        if not while_back:
+            meanwhile()
         x_QD, w_QK = tree_map(lambda sent: sent.wait(), rows), weights.wait()
     if hop.inner is not None:
         y_QD = run_hop(hop.inner, x_QD, w_QK, experts, backend, fp8=fp8, chunks=chunks)
     else:
         y_QD = experts(x_QD, hop.local, w_QK)
-    y_ND = tree_map(lambda t: send_back(hop, t, f"{what} combine", fp8 if hop.bound is None else None), y_QD)
+    if while_back:
+        back = start_all_to_all(y_QD, hop.recv_splits_W, hop.send_splits_W, hop.group, f"{what} combine",
+                                hop.traffic, "combine")
+        meanwhile()
+        y_ND = back.wait()
+    else:
+        y_ND = tree_map(lambda t: send_back(hop, t, f"{what} combine", fp8 if hop.bound is None else None), y_QD)
     if empty:           # no token: the rows only travel back (so their gradients' exchange runs too)
         return tree_map(lambda t: t[:0] * 0, y_ND)
     return tree_map(lambda t: kernels.sum_rows(t, hop.pairs, backend), y_ND)

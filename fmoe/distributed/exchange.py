@@ -326,6 +326,18 @@ def start_dispatch(x_ND: torch.Tensor, plan, kind: str = "dispatch", codec=None)
     return sent
 
 
+def start_combine(y_RD: torch.Tensor, plan) -> InFlight:
+    """`combine`, started: work done before the handle's `wait()` runs while the outputs travel back, and
+    in the backward their gradients travel out while what autograd has ready runs (what ran between the
+    start and the wait: its backward goes between the gradients' start and their wait)."""
+    exchange_plan = plan.exchange
+    if exchange_plan is None:
+        return InFlight(y_RD)
+    y_RD = Reorder.apply(y_RD, inverse_order(exchange_plan.recv_order_R))
+    return start_all_to_all(y_RD, exchange_plan.recv_splits_W, exchange_plan.send_splits_W, exchange_plan.group,
+                            f"{exchange_plan.layer}: combine all-to-all", exchange_plan.traffic, "combine")
+
+
 def combine(y_RD: torch.Tensor, plan) -> torch.Tensor:
     """Send expert outputs back to the ranks their rows came from, in the order they left."""
     plan = plan.exchange

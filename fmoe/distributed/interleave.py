@@ -9,7 +9,10 @@ when the next one is admitted: at once, or once the one before waits in its back
 runs until it waits for one of fmoe's collectives (a dispatch, a combine, a count exchange, a
 shadow pull, forward or backward: every `fmoe.distributed.link.Pending.wait`), and hands the turn to
 the other, which computes (its attention, its shared and routed experts, its backward) while the
-first's rows travel; then the turn comes back. DualPipe and Megatron-Core's 1F1B all-to-all overlap
+first's rows travel; then the turn comes back, and stays until the micro-batch starts a collective
+again (the routing weights' wait after the rows' keeps it: the other would find its own rows still
+on the way). Inside, the exchange goes in one chunk (`fmoe.distributed.pipeline.pipeline_chunks_for`):
+the other micro-batch is what its rows hide behind. DualPipe and Megatron-Core's 1F1B all-to-all overlap
 pair micro-batches the same way, there by hand-written stages; here the stages are wherever a
 collective is waited for, so any model of fmoe layers interleaves without being cut up.
 
@@ -105,6 +108,8 @@ class Turns:
         self.cond = threading.Condition()
         self.turn, self.done, self.admitted = 0, [False] * count, 1
         self.backward_seen = [False] * count
+        self.handed_at = [-1] * count       # per worker: its collectives started when it last handed the turn on
+        self.passes: List[tuple] = []       # where the turn passed: (worker, the collective it waits for)
         self._admit()
 
     def running(self) -> List[int]:
@@ -144,14 +149,22 @@ class Turns:
             self.cond.wait_for(lambda: self.turn == me)
 
     @contextlib.contextmanager
-    def waiting(self, me: int):
-        """Around a wait for a collective: another admitted worker runs meanwhile (if one has not ended)."""
+    def waiting(self, me: int, what: str = ""):
+        """Around a wait for the collective `what`: another admitted worker runs meanwhile (if one has not
+        ended), unless this worker started no collective since it last handed the turn on (the other ran
+        meanwhile and now waits itself: passing again would only stall both). Where the turn passes
+        depends only on the order of starts and waits, the same on every rank, never on timing."""
         with self.cond:
             if not self.backward_seen[me] and in_backward():
                 self.backward_seen[me] = True
             self._admit()
             other = self._other(me)
+            started = link.started_here()
+            if other is not None and self.handed_at[me] == started:
+                other = None    # nothing started since I last handed on: the other already ran meanwhile
             if other is not None:
+                self.handed_at[me] = started
+                self.passes.append((me, what))
                 self._switch(me, other)
         try:
             yield
@@ -177,7 +190,7 @@ class _Worker(threading.Thread):
         self.result, self.error = None, None
 
     def run(self):
-        link.set_waiting(lambda: self.turns.waiting(self.me))
+        link.set_waiting(lambda what: self.turns.waiting(self.me, what))
         try:
             self.turns.take(self.me)
             with self.settings():

@@ -93,13 +93,17 @@ def pipeline_chunks_for(layer, x_ND: torch.Tensor, agree: bool = True) -> int:
     """The chunk count fmoe's performance model picks for the layer's rows (FMOE_FASTER_GLBPLC_* set
     its throughput and bandwidth; a simulated link its bandwidth and latency), or FMOE_PIPELINE_CHUNKS;
     at most the local experts. `agree`: the ranks of the layer's group agree on the model's picks, each
-    taking the largest (ranks with other row counts may pick otherwise); every rank must call it then."""
+    taking the largest (ranks with other row counts may pick otherwise); every rank must call it then.
+    In an interleaved micro-batch 1: the other micro-batch computes while the exchange travels, and
+    every chunk would be one more wait at which the turn passes (`fmoe.interleave_micro_batches`)."""
     forced = env_int("FMOE_PIPELINE_CHUNKS", 0)
     if forced < 0:
         raise ValueError(f"FMOE_PIPELINE_CHUNKS must be an int >= 1 (0 or unset: the performance model's), "
                          f"got {forced}")
     if forced:
         return min(forced, layer.num_expert)
+    if link.interleaving():
+        return 1
     d_hidden = getattr(layer.experts, "d_hidden", None) or layer.d_model
     model = PerfModel.from_env(layer.d_model, d_hidden, x_ND.element_size())
     simulated = link.active_link()
@@ -126,7 +130,8 @@ def pipelined_exchange(x_ND: torch.Tensor, weight_N: Optional[torch.Tensor], exc
     """dispatch -> experts -> combine of the rows x_ND (in expert order), chunk by chunk: returns the
     experts' outputs for x_ND's rows, in the same order. `experts(x_RD, counts_e, weight_R)`: the local
     experts on received rows (expert-major); `weight_N`: routing weights travelling with the rows (None:
-    none); `meanwhile()` runs once every chunk's dispatch has started; `fp8`: each chunk's rows out and
+    none); `meanwhile()` runs once every chunk's combine has started (its backward, autograd taking
+    what was made last first, then runs while the output gradients travel out); `fp8`: each chunk's rows out and
     its output gradients out travel as FP8 in this recipe (`fmoe.distributed.fp8_exchange.FP8Codec`)."""
     def codec():
         return None if fp8 is None else FP8Codec(fp8)
@@ -146,8 +151,6 @@ def pipelined_exchange(x_ND: torch.Tensor, weight_N: Optional[torch.Tensor], exc
         if weights is not None:
             weights.order = chunk.order_R
         started.append((rows, weights))
-    if meanwhile is not None:
-        meanwhile()
     returning = []
     for chunk, (rows, weights) in zip(chunked.chunks, started):
         x_RD = rows.wait()
@@ -156,6 +159,8 @@ def pipelined_exchange(x_ND: torch.Tensor, weight_N: Optional[torch.Tensor], exc
         returning.append(start_all_to_all(y_back, chunk.recv_splits, chunk.send_splits, exchange.group,
                                           f"{what} combine all-to-all", exchange.traffic, "combine", codec(),
                                           "backward"))
+    if meanwhile is not None:
+        meanwhile()
     y_parts = [back.wait() for back in returning]
     return Reorder.apply(torch.cat(y_parts), chunked.return_order_N)
 
@@ -196,7 +201,7 @@ def pipelined_hop(hop, x_ND: torch.Tensor, w_NK: torch.Tensor, experts: Callable
     (grouped by destination rank) and their routing weights w_NK out, `experts(x_QD, local_plan,
     w_QK)` on each chunk's received rows as soon as they are there, the outputs back while the next
     chunk computes; returns the outputs for x_ND's rows, in their order. `meanwhile()` runs once every
-    chunk's rows have started; `fmoe`'s FP8 rows out and output gradients out with `fp8`."""
+    chunk's outputs have started back; `fmoe`'s FP8 rows out and output gradients out with `fp8`."""
     from fmoe.routing import RoutingPlan        # here: fmoe.routing imports the distributed package
     what = f"{hop.layer}: deduplicated, pipelined"
     split = hop_chunks(hop.send_splits_W, hop.recv_splits_W, chunks, x_ND.device)
@@ -210,8 +215,6 @@ def pipelined_hop(hop, x_ND: torch.Tensor, w_NK: torch.Tensor, experts: Callable
         weights = start_all_to_all(w_parts[c], split.send_splits[c], split.recv_splits[c], hop.group,
                                    f"{what} weights", hop.traffic, "routing")
         started.append((rows, weights))
-    if meanwhile is not None:
-        meanwhile()
     num_local = int(hop.local.counts_E.numel())
     returning = []
     for c, (rows, weights) in enumerate(started):
@@ -221,5 +224,7 @@ def pipelined_hop(hop, x_ND: torch.Tensor, w_NK: torch.Tensor, experts: Callable
         returning.append(start_all_to_all(y_QD, split.recv_splits[c], split.send_splits[c], hop.group,
                                           f"{what} combine", hop.traffic, "combine",
                                           None if fp8 is None else FP8Codec(fp8), "backward"))
+    if meanwhile is not None:
+        meanwhile()
     y = torch.cat([back.wait() for back in returning])
     return Reorder.apply(y, inverse_order(split.send_order_N))

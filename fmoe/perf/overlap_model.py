@@ -8,17 +8,19 @@ on it in the order they start (as `fmoe.distributed.link` simulates it). Each mo
 operations as the layer runs them; `step_seconds` plays them:
 
     none       other, dispatch, experts, combine, shared; backward likewise, all in line
-    shared     the shared experts while the dispatch travels, their backward while the output
-               gradients travel (autograd runs them first)
+    shared     the shared experts while the experts' outputs travel back (the combine), their
+               backward while the output gradients travel out (autograd runs them first)
     pipeline   "shared", and the exchange in n chunks: every dispatch starts at once, each chunk's
-               experts when its rows are there, its combine started as the next chunk computes;
-               in the backward each chunk's input gradients start back as the next one computes
+               experts when its rows are there, its combine started as the next chunk computes
+               (the shared experts after the last); in the backward each chunk's input gradients
+               start back as the next one computes
     (shared and pipeline, `defer_weight_grads`): the experts' backward sends its input gradients
                first and computes its weight gradients (half its GEMMs) while they travel
     two micro-batches (`micro_batches=2`): two such lists, each of half the compute and bytes,
-               taking turns at every wait (`fmoe.interleave_micro_batches`): the one whose turn it
-               is runs until it waits, then the other runs; the first takes the turn back and
-               waits what is left of its transfer. `schedule="lockstep"`: the second starts at the
+               taking turns (`fmoe.interleave_micro_batches`): the one whose turn it is runs until
+               it waits, then the other runs; the first takes the turn back and waits what is left
+               of its transfer (and keeps the turn at its next waits until it starts a transfer).
+               Inside them the exchange goes in one chunk (what "pipeline" picks there). `schedule="lockstep"`: the second starts at the
                first's first wait; "1f1b": at the first's first wait in its backward; "loop": once
                the first has ended (one after the other, nothing interleaved)
 
@@ -60,10 +62,12 @@ def operations(c: Components, link: float, mode: str, chunks: int = 1, defer_wei
                 ("compute", s_b), ("send", "gy", leg), ("wait", "gy"), ("compute", x_b), ("send", "gx", leg),
                 ("wait", "gx"), ("compute", o_b)]
     n = chunks if mode == "pipeline" else 1
-    ops = [("compute", o_f / 2)] + [("send", f"d{i}", leg / n) for i in range(n)] + [("compute", s_f)]
+    ops = [("compute", o_f / 2)] + [("send", f"d{i}", leg / n) for i in range(n)]
     for i in range(n):
         ops += [("wait", f"d{i}"), ("compute", x_f / n), ("send", f"c{i}", leg / n)]
-    ops += [("wait", f"c{i}") for i in range(n)] + [("compute", o_f / 2)]
+    # The shared experts run while the outputs travel back; so their backward (autograd takes them first)
+    # while the output gradients travel out.
+    ops += [("compute", s_f)] + [("wait", f"c{i}") for i in range(n)] + [("compute", o_f / 2)]
     ops += [("send", f"gy{i}", leg / n) for i in range(n)] + [("compute", s_b)]
     # The experts' backward: input gradient (two of its four GEMMs) and weight gradient (the other two),
     # the latter after the input gradient has started back when deferred (it runs at the next wait).
@@ -85,7 +89,7 @@ def step_seconds(workers: List[List[Tuple]], admit_at: int = 0) -> float:
     now = link_free = 0.0
     ready = [{} for _ in workers]           # per worker: transfer -> when it has arrived
     position = [0] * len(workers)
-    handed = [False] * len(workers)         # the worker handed the turn on at the wait it stands at
+    sent = [False] * len(workers)           # the worker started a transfer since it last handed the turn on
     turn = 0
     while any(position[w] < len(ops) for w, ops in enumerate(workers)):
         if position[turn] >= len(workers[turn]):
@@ -95,14 +99,14 @@ def step_seconds(workers: List[List[Tuple]], admit_at: int = 0) -> float:
         if op[0] == "wait":
             other = 1 - turn
             admitted = turn == 1 or position[0] >= admit_at
-            if len(workers) == 2 and admitted and not handed[turn] and position[other] < len(workers[other]):
-                handed[turn], turn = True, other
+            if len(workers) == 2 and admitted and sent[turn] and position[other] < len(workers[other]):
+                sent[turn], turn = False, other
                 continue
-            handed[turn] = False
             now = max(now, ready[turn][op[1]])
         elif op[0] == "send":
             link_free = max(now, link_free) + op[2]
             ready[turn][op[1]] = link_free
+            sent[turn] = True
         else:
             now += op[1]
         position[turn] += 1
@@ -154,16 +158,17 @@ def predict(components: Components, link: float, mode: str, chunks: int = 1, mic
             defer_weight_grads: bool = True, schedule: str = "lockstep", work_conserving: bool = False) -> float:
     """Seconds of a step in `mode` (micro_batches 1, or 2, each half the compute and bytes, run as
     `schedule` says: interleaved "lockstep" or "1f1b", or one after the other, "loop";
-    `work_conserving`: interleaved turns that follow the transfers, `work_conserving_seconds`)."""
+    `work_conserving`: interleaved turns that follow the transfers, `work_conserving_seconds`).
+    Interleaved micro-batches send in one chunk whatever `chunks` says (`pipeline_chunks_for`)."""
     if micro_batches not in (1, 2):
         raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if micro_batches == 1:
         return step_seconds([operations(components, link, mode, chunks, defer_weight_grads)])
-    half = operations(components.scaled(0.5), link / 2, mode, chunks, defer_weight_grads)
     if schedule == "loop":
-        return 2 * step_seconds([half])
+        return 2 * step_seconds([operations(components.scaled(0.5), link / 2, mode, chunks, defer_weight_grads)])
+    half = operations(components.scaled(0.5), link / 2, mode, 1, defer_weight_grads)
     play = work_conserving_seconds if work_conserving else step_seconds
     return play([half, half], backward_begins(half) if schedule == "1f1b" else 0)
 
