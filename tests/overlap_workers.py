@@ -1,4 +1,5 @@
 """Rank functions for tests/test_overlap.py (run by tests.dist_utils.run_ranks)."""
+import contextlib
 import json
 import time
 
@@ -483,38 +484,37 @@ def check_pipeline_chunks_the_rank_and_node_exchanges(rank, world):
         assert x.grad is not None and torch.isfinite(x.grad).all(), name
 
 
-def check_interleaved_turns_pass_once_an_exchange_at_the_same_collectives_on_every_rank(rank, world):
-    """Two micro-batches through two slot-exchange layers, overlap="auto": the rows go in one chunk (no
-    chunk count agreed: the other micro-batch is what they hide behind), the turn never passes at the
-    routing weights' wait (it follows the rows', started with them): once an exchange, at the same
-    collectives, in the same order, on every rank."""
+def check_interleaved_turns_pass_at_the_same_collectives_on_every_rank(rank, world):
+    """Two micro-batches through two slot-exchange layers, overlap="auto": the turn passes at the same
+    collectives, in the same order, on every rank; never at the routing weights' wait in the forward
+    (started right after the rows, they arrive right after them: the other micro-batch then waits for
+    rows it started later); and where it passes, the other waits for a collective started earlier
+    than the one this micro-batch waits for, or has not begun."""
     from fmoe.distributed import interleave
-    made, started = [], []
-    original_init, original_start = interleave.Turns.__init__, link.start
+    made, checked = [], []
+    original_init, original_waiting = interleave.Turns.__init__, interleave.Turns.waiting
 
     def remember(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         made.append(self)
 
-    def record(work, what, nbytes, hands_turn=True):
-        started.append(what)
-        return original_start(work, what, nbytes, hands_turn)
-    interleave.Turns.__init__, link.start = remember, record
+    def waiting(self, me, pending):
+        other = self._other(me)
+        theirs = None if other is None else self.waiting_on[other]
+        passes = len(self.passes)
+        with original_waiting(self, me, pending):
+            if len(self.passes) > passes:
+                checked.append((theirs, pending.order))
+            yield
+    interleave.Turns.__init__, interleave.Turns.waiting = remember, contextlib.contextmanager(waiting)
     try:
         micro_batch_run(rank, world, dict(exchange="slot"), True, "auto", micro_batches=2)
     finally:
-        interleave.Turns.__init__, link.start = original_init, original_start
+        interleave.Turns.__init__, interleave.Turns.waiting = original_init, original_waiting
     (turns,) = made
-    assert not [what for what in started if "chunks all-reduce" in what], started
-    # one dispatch of rows a micro-batch and layer, forward (its gradient back in the backward)
-    rows_out = [what for what in started if what.endswith("dispatch all-to-all") and "routing" not in what]
-    assert len(rows_out) == 2 * 2, rows_out
-    # Once an exchange: the counts, the rows out, the outputs back, their gradients out, and the rows'
-    # gradients back (with the routing weights', whichever of the two is waited for first) - never at
-    # the forward routing weights', waited for right after the rows
+    assert turns.passes and len(checked) == len(turns.passes), (turns.passes, checked)
     assert not [what for _, what in turns.passes if what.endswith("routing all-to-all")], turns.passes
-    for worker in (0, 1):
-        assert len([what for w, what in turns.passes if w == worker]) == 2 * 5, turns.passes
+    assert all(theirs is None or theirs < mine for theirs, mine in checked), checked
     everyone = [None] * world
     dist.all_gather_object(everyone, turns.passes)
     assert all(passes == turns.passes for passes in everyone), everyone

@@ -88,9 +88,8 @@ def test_overlap_interleaved_micro_batches_equal_running_them_one_after_the_othe
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_overlap_interleaved_turns_pass_once_an_exchange_at_the_same_collectives_on_every_rank(world):
-    run_ranks(overlap_workers.check_interleaved_turns_pass_once_an_exchange_at_the_same_collectives_on_every_rank,
-              world)
+def test_overlap_interleaved_turns_pass_at_the_same_collectives_on_every_rank(world):
+    run_ranks(overlap_workers.check_interleaved_turns_pass_at_the_same_collectives_on_every_rank, world)
 
 
 def test_overlap_interleaved_one_forward_beside_the_others_backward_equal_running_them_one_after_the_other():
@@ -134,15 +133,10 @@ def test_overlap_model_timelines_add_up():
     assert predict(parts, 0.12, "pipeline", 4) < predict(parts, 0.12, "shared")
     with pytest.raises(ValueError, match="mode must be one of"):
         predict(parts, 0.1, "chunks")
-    # two micro-batches one after the other: twice a half step; interleaved (in one chunk, whatever
-    # `chunks` says: the other micro-batch computes meanwhile), less than the loop of the same mode,
-    # whichever schedule
-    assert predict(parts, 0.12, "pipeline", 4, 2, schedule="loop") == \
-        pytest.approx(2 * predict(parts.scaled(0.5), 0.06, "pipeline", 4))
-    loop = predict(parts, 0.12, "shared", 1, 2, schedule="loop")
+    # two micro-batches one after the other: twice a half step; interleaved, less, whichever schedule
+    loop = predict(parts, 0.12, "pipeline", 4, 2, schedule="loop")
+    assert loop == pytest.approx(2 * predict(parts.scaled(0.5), 0.06, "pipeline", 4))
     for schedule in ("lockstep", "1f1b"):
-        assert predict(parts, 0.12, "pipeline", 4, 2, schedule=schedule) == predict(parts, 0.12, "shared", 1, 2,
-                                                                                     schedule=schedule)
         assert predict(parts, 0.0, "pipeline", 4, 2, schedule=schedule) == pytest.approx(0.18)
         assert 0.18 <= predict(parts, 0.12, "pipeline", 4, 2, schedule=schedule) < loop, schedule
         # turns that follow the transfers (a what-if: a process group per micro-batch): between the compute

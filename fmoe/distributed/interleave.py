@@ -33,7 +33,7 @@ Not for DDP's own reducer (its hooks fire from both backwards at once): reduce a
 """
 import contextlib
 import threading
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -108,7 +108,7 @@ class Turns:
         self.cond = threading.Condition()
         self.turn, self.done, self.admitted = 0, [False] * count, 1
         self.backward_seen = [False] * count
-        self.handed_at = [-1] * count       # per worker: its collectives started when it last handed the turn on
+        self.waiting_on: List[Optional[int]] = [None] * count   # per worker: the order of the collective it waits for
         self.passes: List[tuple] = []       # where the turn passed: (worker, the collective it waits for)
         self._admit()
 
@@ -149,28 +149,30 @@ class Turns:
             self.cond.wait_for(lambda: self.turn == me)
 
     @contextlib.contextmanager
-    def waiting(self, me: int, what: str = ""):
-        """Around a wait for the collective `what`: another admitted worker runs meanwhile (if one has not
-        ended), unless this worker started no collective since it last handed the turn on (the other ran
-        meanwhile and now waits itself: passing again would only stall both). Where the turn passes
-        depends only on the order of starts and waits, the same on every rank, never on timing."""
+    def waiting(self, me: int, pending):
+        """Around a wait for the collective `pending` (a `fmoe.distributed.link.Pending`): another admitted
+        worker (if one has not ended) runs meanwhile, unless it waits itself for a collective started
+        after mine: a link carries transfers in the order they start, so mine arrives first (and
+        passing would stall both; this keeps the turn at the routing weights' wait, which follows the
+        rows'). Where the turn passes depends only on the order of starts and waits, the same on every
+        rank, never on timing."""
         with self.cond:
             if not self.backward_seen[me] and in_backward():
                 self.backward_seen[me] = True
             self._admit()
             other = self._other(me)
-            started = link.started_here()
-            if other is not None and self.handed_at[me] == started:
-                other = None    # nothing started since I last handed on: the other already ran meanwhile
+            if other is not None and self.waiting_on[other] is not None and self.waiting_on[other] > pending.order:
+                other = None
+            self.waiting_on[me] = pending.order
             if other is not None:
-                self.handed_at[me] = started
-                self.passes.append((me, what))
+                self.passes.append((me, pending.what))
                 self._switch(me, other)
         try:
             yield
         finally:
             if other is not None:
                 self.take(me)
+            self.waiting_on[me] = None
 
     def end(self, me: int):
         with self.cond:
@@ -190,7 +192,7 @@ class _Worker(threading.Thread):
         self.result, self.error = None, None
 
     def run(self):
-        link.set_waiting(lambda what: self.turns.waiting(self.me, what))
+        link.set_waiting(lambda pending: self.turns.waiting(self.me, pending))
         try:
             self.turns.take(self.me)
             with self.settings():

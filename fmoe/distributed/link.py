@@ -89,23 +89,18 @@ _waiting = threading.local()    # this thread's turn-taking around waits (fmoe.d
 
 
 def set_waiting(context):
-    """`context(what)` (a context manager) surrounds every wait of this thread for a collective (`what`
-    names it): an interleaved micro-batch hands the turn on there (None: nothing)."""
+    """`context(pending)` (a context manager) surrounds every wait of this thread for a collective (the
+    `Pending`): an interleaved micro-batch hands the turn on there (None: nothing)."""
     _waiting.context = context
 
 
-def interleaving() -> bool:
-    """Whether this thread runs an interleaved micro-batch (`fmoe.interleave_micro_batches`): another
-    micro-batch computes while its exchanges travel."""
-    return getattr(_waiting, "context", None) is not None
-
-
-def _around_wait(what: str):
+def _around_wait(pending):
     context = getattr(_waiting, "context", None)
-    return context(what) if context is not None else contextlib.nullcontext()
+    return context(pending) if context is not None else contextlib.nullcontext()
 
 
 _link_free_at = [0.0]       # when this rank's simulated link has carried everything started so far
+_started = [0]              # collectives started so far whose waits hand the turn on (their order)
 
 
 class Pending:
@@ -114,6 +109,12 @@ class Pending:
 
     def __init__(self, works, what: str, nbytes: int, link: Optional[Link], hands_turn: bool = True):
         self.works, self.what, self.hands_turn = works, what, hands_turn
+        # Where it stands among the collectives started (those whose waits hand the turn on: the others
+        # start at places that may differ between ranks). A link carries them in this order.
+        self.order = None
+        if hands_turn:
+            _started[0] += 1
+            self.order = _started[0]
         self.ready_at, self.waited = None, False
         if link is not None:
             self.ready_at = max(time.monotonic(), _link_free_at[0]) + link.seconds(nbytes)
@@ -129,7 +130,7 @@ class Pending:
         # Weight gradients left for this moment (the exchange's backward first) compute while this travels.
         from fmoe.kernels.deferred import run_pending       # here: fmoe.kernels imports this module
         run_pending()
-        with _around_wait(self.what) if self.hands_turn else contextlib.nullcontext():
+        with _around_wait(self) if self.hands_turn else contextlib.nullcontext():
             for work in self.works:
                 wait(work, self.what)
             self.works = []
@@ -140,20 +141,12 @@ class Pending:
                 self.ready_at = None
 
 
-def started_here() -> int:
-    """How many collectives this thread has started whose waits hand the turn on (the others start at
-    places that may differ between ranks, so they are not counted)."""
-    return getattr(_waiting, "started", 0)
-
-
 def start(work, what: str, nbytes: int, hands_turn: bool = True) -> Pending:
     """The async collective(s) `work` (a work handle, a list of them, or None), moving `nbytes` on
     this rank, as a `Pending`; `what` names the layer and the collective for the timeout message.
     `hands_turn=False`: its wait does not hand an interleaved micro-batch's turn on (for a wait that
     autograd reaches at different places on different ranks)."""
     works = [] if work is None else list(work) if isinstance(work, (list, tuple)) else [work]
-    if hands_turn:
-        _waiting.started = started_here() + 1
     return Pending(works, what, nbytes, active_link(), hands_turn)
 
 

@@ -93,17 +93,13 @@ def pipeline_chunks_for(layer, x_ND: torch.Tensor, agree: bool = True) -> int:
     """The chunk count fmoe's performance model picks for the layer's rows (FMOE_FASTER_GLBPLC_* set
     its throughput and bandwidth; a simulated link its bandwidth and latency), or FMOE_PIPELINE_CHUNKS;
     at most the local experts. `agree`: the ranks of the layer's group agree on the model's picks, each
-    taking the largest (ranks with other row counts may pick otherwise); every rank must call it then.
-    In an interleaved micro-batch 1: the other micro-batch computes while the exchange travels, and
-    every chunk would be one more wait at which the turn passes (`fmoe.interleave_micro_batches`)."""
+    taking the largest (ranks with other row counts may pick otherwise); every rank must call it then."""
     forced = env_int("FMOE_PIPELINE_CHUNKS", 0)
     if forced < 0:
         raise ValueError(f"FMOE_PIPELINE_CHUNKS must be an int >= 1 (0 or unset: the performance model's), "
                          f"got {forced}")
     if forced:
         return min(forced, layer.num_expert)
-    if link.interleaving():
-        return 1
     d_hidden = getattr(layer.experts, "d_hidden", None) or layer.d_model
     model = PerfModel.from_env(layer.d_model, d_hidden, x_ND.element_size())
     simulated = link.active_link()

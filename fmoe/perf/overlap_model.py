@@ -18,9 +18,9 @@ operations as the layer runs them; `step_seconds` plays them:
                first and computes its weight gradients (half its GEMMs) while they travel
     two micro-batches (`micro_batches=2`): two such lists, each of half the compute and bytes,
                taking turns (`fmoe.interleave_micro_batches`): the one whose turn it is runs until
-               it waits, then the other runs; the first takes the turn back and waits what is left
-               of its transfer (and keeps the turn at its next waits until it starts a transfer).
-               Inside them the exchange goes in one chunk (what "pipeline" picks there). `schedule="lockstep"`: the second starts at the
+               it waits, then the other runs unless it waits for a transfer started later (the link
+               carries them in order: this one's arrives first); the first takes the turn back and
+               waits what is left of its transfer. `schedule="lockstep"`: the second starts at the
                first's first wait; "1f1b": at the first's first wait in its backward; "loop": once
                the first has ended (one after the other, nothing interleaved)
 
@@ -84,13 +84,21 @@ def backward_begins(ops: List[Tuple]) -> int:
 
 
 def step_seconds(workers: List[List[Tuple]], admit_at: int = 0) -> float:
-    """Plays one worker's operations, or two taking turns at every wait; one link, first come first
-    served. The second worker starts at the first's first wait at or after operation `admit_at`."""
+    """Plays one worker's operations, or two taking turns (`fmoe.interleave_micro_batches`); one link,
+    first come first served. At a wait the turn passes to the other unless the other waits itself
+    for a transfer started after this one (which then arrives first). The second worker starts at the
+    first's first wait at or after operation `admit_at`."""
     now = link_free = 0.0
     ready = [{} for _ in workers]           # per worker: transfer -> when it has arrived
+    order = [{} for _ in workers]           # per worker: transfer -> its place among the transfers started
     position = [0] * len(workers)
-    sent = [False] * len(workers)           # the worker started a transfer since it last handed the turn on
-    turn = 0
+    turn = started = 0
+
+    def waits_for(w: int):
+        """The place of the transfer worker w stands waiting for (None: it has not begun)."""
+        op = workers[w][position[w]]
+        return order[w][op[1]] if op[0] == "wait" and position[w] > 0 else None
+
     while any(position[w] < len(ops) for w, ops in enumerate(workers)):
         if position[turn] >= len(workers[turn]):
             turn = 1 - turn                 # it ended: the other runs alone
@@ -99,14 +107,17 @@ def step_seconds(workers: List[List[Tuple]], admit_at: int = 0) -> float:
         if op[0] == "wait":
             other = 1 - turn
             admitted = turn == 1 or position[0] >= admit_at
-            if len(workers) == 2 and admitted and sent[turn] and position[other] < len(workers[other]):
-                sent[turn], turn = False, other
-                continue
+            if len(workers) == 2 and admitted and position[other] < len(workers[other]):
+                theirs = waits_for(other)
+                if theirs is None or theirs < order[turn][op[1]]:
+                    turn = other
+                    continue
             now = max(now, ready[turn][op[1]])
         elif op[0] == "send":
             link_free = max(now, link_free) + op[2]
             ready[turn][op[1]] = link_free
-            sent[turn] = True
+            started += 1
+            order[turn][op[1]] = started
         else:
             now += op[1]
         position[turn] += 1
@@ -120,9 +131,10 @@ def work_conserving_seconds(workers: List[List[Tuple]], admit_at: int = 0) -> fl
     """A what-if beside `step_seconds`: two workers whose turns follow the transfers, not the waits. At
     a wait whose transfer has arrived a worker goes on; else the other runs if it can (it is not itself
     waiting for a transfer still under way); else the first of the two transfers to arrive decides.
-    fmoe's turns pass at every wait instead, because both micro-batches issue their collectives on the
-    same process groups, whose order every rank must keep: turns that follow timing need a process
-    group per micro-batch (and give up running every layer's micro-batches in order)."""
+    fmoe's turns cannot look at the clock (both micro-batches issue their collectives on the same
+    process groups, whose order every rank must keep); they follow the order the transfers started
+    in instead, which on a link that carries them in that order is the order they arrive in, so they
+    mostly agree with this (they differ where a worker would run on past a wait of its own)."""
     now = link_free = 0.0
     ready = [{} for _ in workers]
     position = [0] * len(workers)
@@ -158,17 +170,16 @@ def predict(components: Components, link: float, mode: str, chunks: int = 1, mic
             defer_weight_grads: bool = True, schedule: str = "lockstep", work_conserving: bool = False) -> float:
     """Seconds of a step in `mode` (micro_batches 1, or 2, each half the compute and bytes, run as
     `schedule` says: interleaved "lockstep" or "1f1b", or one after the other, "loop";
-    `work_conserving`: interleaved turns that follow the transfers, `work_conserving_seconds`).
-    Interleaved micro-batches send in one chunk whatever `chunks` says (`pipeline_chunks_for`)."""
+    `work_conserving`: interleaved turns that follow the transfers, `work_conserving_seconds`)."""
     if micro_batches not in (1, 2):
         raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if micro_batches == 1:
         return step_seconds([operations(components, link, mode, chunks, defer_weight_grads)])
+    half = operations(components.scaled(0.5), link / 2, mode, chunks, defer_weight_grads)
     if schedule == "loop":
-        return 2 * step_seconds([operations(components.scaled(0.5), link / 2, mode, chunks, defer_weight_grads)])
-    half = operations(components.scaled(0.5), link / 2, mode, 1, defer_weight_grads)
+        return 2 * step_seconds([half])
     play = work_conserving_seconds if work_conserving else step_seconds
     return play([half, half], backward_begins(half) if schedule == "1f1b" else 0)
 
