@@ -9,12 +9,12 @@ when the next one is admitted: at once, or once the one before waits in its back
 runs until it waits for one of fmoe's collectives (a dispatch, a combine, a count exchange, a
 shadow pull, forward or backward: every `fmoe.distributed.link.Pending.wait`), and hands the turn to
 the other, which computes (its attention, its shared and routed experts, its backward) while the
-first's rows travel; then the turn comes back, and stays until the micro-batch starts a collective
-again (the routing weights' wait after the rows' keeps it: the other would find its own rows still
-on the way). Inside, the exchange goes in one chunk (`fmoe.distributed.pipeline.pipeline_chunks_for`):
-the other micro-batch is what its rows hide behind. DualPipe and Megatron-Core's 1F1B all-to-all overlap
-pair micro-batches the same way, there by hand-written stages; here the stages are wherever a
-collective is waited for, so any model of fmoe layers interleaves without being cut up.
+first's rows travel; then the turn comes back. It does not pass where the other waits for a
+collective started after the one waited for (a link carries them in that order, so the other's
+would arrive later: the routing weights' wait right after the rows' keeps the turn). DualPipe and
+Megatron-Core's 1F1B all-to-all overlap pair micro-batches the same way, there by hand-written
+stages; here the stages are wherever a collective is waited for, so any model of fmoe layers
+interleaves without being cut up.
 
 Exact: only one micro-batch runs at a time, and the turns pass at the same points on every rank
 (never by timing), so every rank issues the same collectives in the same order, each layer sees
@@ -95,8 +95,8 @@ class Turns:
     Admission: "lockstep" admits the next micro-batch as soon as fewer than two run (two forwards side
     by side, then two backwards); "1f1b" once the newest, its forward done, first waits inside its
     backward (and no older one still runs), so one's forward goes beside the other's backward, as in
-    Megatron-Core's 1F1B all-to-all overlap and DualPipe. Admission and turns depend only on where the
-    workers wait, never on timing: every rank passes them at the same points."""
+    Megatron-Core's 1F1B all-to-all overlap and DualPipe. Admission and turns depend only on the order of
+    the workers' starts and waits, never on timing: every rank passes them at the same points."""
 
     def __init__(self, state: List[tuple], count: int, schedule: str = "lockstep"):
         self.state, self.count, self.schedule = state, count, schedule
