@@ -65,8 +65,10 @@ def run(rank: int, world: int, store: str, args, results: str):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     g = torch.Generator().manual_seed(rank)
-    batches = [[(torch.randn(args.tokens, args.d_model, generator=g), torch.randn(args.tokens, args.d_model, generator=g))
-                for _ in range(args.micro_batches)] for _ in range(args.steps)]
+
+    def pair():
+        return torch.randn(args.tokens, args.d_model, generator=g), torch.randn(args.tokens, args.d_model, generator=g)
+    batches = [[pair() for _ in range(args.micro_batches)] for _ in range(args.steps)]
     runs = {}
     for interleave in (False, True):
         torch.manual_seed(0)

@@ -20,8 +20,11 @@ from fmoe.distributed.ddp import DistributedGroupedDataParallel  # noqa: E402
 from fmoe.distributed.groups import ParallelGroups  # noqa: E402
 from tests.dist_utils import exit_without_teardown, free_port, init_gloo_from_env  # noqa: E402
 
-# The DeepSpeed runs (its engine, ZeRO, the launcher) run with FMOE_TEST_DEEPSPEED=1: `make test-deepspeed`, in CI (out of `make test`, which keeps its time budget).
-pytestmark = pytest.mark.skipif(os.environ.get("FMOE_TEST_DEEPSPEED") != "1", reason="The DeepSpeed runs (its engine, ZeRO, the launcher): FMOE_TEST_DEEPSPEED=1 (make test-deepspeed)")
+# The DeepSpeed runs (its engine, ZeRO, the launcher) run with FMOE_TEST_DEEPSPEED=1: `make test-deepspeed`,
+# in CI (out of `make test`, which keeps its time budget).
+pytestmark = pytest.mark.skipif(os.environ.get("FMOE_TEST_DEEPSPEED") != "1",
+                                reason="The DeepSpeed runs (its engine, ZeRO, the launcher): FMOE_TEST_DEEPSPEED=1 "
+                                       "(make test-deepspeed)")
 
 VOCAB, D, H, T, BATCH, STEPS, LR = 32, 16, 32, 8, 4, 6, 3e-2
 

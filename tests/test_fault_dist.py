@@ -18,8 +18,11 @@ import fmoe
 from tests import dist_workers
 from tests.dist_utils import exit_without_teardown, init_gloo_with_retry, run_ranks
 
-# The fault-injection runs (stopped and missing ranks) run with FMOE_TEST_FAULTS=1: `make test-faults`, in CI (out of `make test`, which keeps its time budget).
-pytestmark = pytest.mark.skipif(os.environ.get("FMOE_TEST_FAULTS") != "1", reason="The fault-injection runs (stopped and missing ranks): FMOE_TEST_FAULTS=1 (make test-faults)")
+# The fault-injection runs (stopped and missing ranks) run with FMOE_TEST_FAULTS=1: `make test-faults`, in CI
+# (out of `make test`, which keeps its time budget).
+pytestmark = pytest.mark.skipif(os.environ.get("FMOE_TEST_FAULTS") != "1",
+                                reason="The fault-injection runs (stopped and missing ranks): FMOE_TEST_FAULTS=1 "
+                                       "(make test-faults)")
 
 D, H = dist_workers.D, dist_workers.H
 

@@ -25,8 +25,11 @@ from fmoe.gates import GATES
 from tests.fs_utils import in_user_namespace, needs_tmpfs
 from tests.test_fault_dist import LargestTensor
 
-# The fault-injection runs (kills, signals, full disks) run with FMOE_TEST_FAULTS=1: `make test-faults`, in CI (out of `make test`, which keeps its time budget).
-pytestmark = pytest.mark.skipif(os.environ.get("FMOE_TEST_FAULTS") != "1", reason="The fault-injection runs (kills, signals, full disks): FMOE_TEST_FAULTS=1 (make test-faults)")
+# The fault-injection runs (kills, signals, full disks) run with FMOE_TEST_FAULTS=1: `make test-faults`, in CI
+# (out of `make test`, which keeps its time budget).
+pytestmark = pytest.mark.skipif(os.environ.get("FMOE_TEST_FAULTS") != "1",
+                                reason="The fault-injection runs (kills, signals, full disks): FMOE_TEST_FAULTS=1 "
+                                       "(make test-faults)")
 
 TINY = ["--d-model", "16", "--layers", "1", "--heads", "1", "--seq-len", "16", "--num-expert", "2",
         "--d-hidden", "16", "--batch-size", "2"]

@@ -126,8 +126,8 @@ def test_overlap_model_timelines_add_up():
         step = predict(parts, 0.12, mode, chunks, micro)
         assert 0.18 <= step < 0.30, (mode, chunks, micro, step)
     # shared hides the combine (the outputs' way back) behind the shared experts' forward and the output
-    # gradients behind their backward: 0.02 and 0.04 of compute against legs of 0.03 each; and, the weight gradients deferred,
-    # the input gradients behind them (0.03: half the experts' 0.06 of backward, against a leg of 0.03)
+    # gradients behind their backward: 0.02 and 0.04 of compute against legs of 0.03 each; and, the weight
+    # gradients deferred, the input gradients behind them (0.03: half the experts' 0.06 of backward, against a leg of 0.03)
     assert predict(parts, 0.12, "shared", defer_weight_grads=False) == pytest.approx(0.30 - 0.02 - 0.03)
     assert predict(parts, 0.12, "shared") == pytest.approx(0.30 - 0.02 - 0.03 - 0.03)
     assert predict(parts, 0.12, "pipeline", 4) < predict(parts, 0.12, "shared")

@@ -64,6 +64,11 @@ def send(hop: Hop, x, what: str, kind: str, fp8: Optional[str] = None):
     return start_send(hop, x, what, kind).wait()
 
 
+def start_send_back(hop: Hop, y, what: str) -> InFlight:
+    """`send_back`, started (an unbounded hop, rows in their dtype): `wait()` has them."""
+    return start_all_to_all(y, hop.recv_splits_W, hop.send_splits_W, hop.group, what, hop.traffic, "combine")
+
+
 def send_back(hop: Hop, y, what: str, fp8: Optional[str] = None):
     """The rows that came along the hop back to where they came from (with `fp8`, their gradients go out as FP8)."""
     if hop.bound is not None:
@@ -128,8 +133,7 @@ def run_hop(hop: Hop, x_TD, weight_TK: torch.Tensor, experts: Callable, backend:
     else:
         y_QD = experts(x_QD, hop.local, w_QK)
     if while_back:
-        back = start_all_to_all(y_QD, hop.recv_splits_W, hop.send_splits_W, hop.group, f"{what} combine",
-                                hop.traffic, "combine")
+        back = start_send_back(hop, y_QD, f"{what} combine")
         meanwhile()
         y_ND = back.wait()
     else:
