@@ -172,13 +172,16 @@ class Exchange(OneRank):
         module's gradients as its inputs' are done), under torch.autocast (the MLP gets cast weights, not
         the aliases), experts not the layer's own stacked lean MLP."""
         experts = self.layer.experts
-        if not (self.overlap_shared and self.layer.defer_weight_grads and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and isinstance(experts, GroupedExperts) and experts.lean
-                and autocast_dtype(experts.w1_eDF) is None
-                and self.layer.experts_call.weighs_rows and experts.w1_eDF.requires_grad
-                and experts.w2_eFD.requires_grad and not sharded_by_fsdp(experts)):
+        if not (self.overlap_shared and self.layer.defer_weight_grads and self.layer.experts_call.weighs_rows
+                and deferrable_weights(experts)):
             return None
         return deferred.DeferredWeightGrads((experts.w1_eDF, experts.w2_eFD))
+
+    def defer_shared_weight_grads(self, alongside: SharedTerm):
+        """Under an overlapping mode, the shared experts' weight gradients (fmoe's own lean MLPs) wait for
+        the routed experts' input gradients and compute while those travel back; before the dispatch starts."""
+        if self.overlap_shared and self.layer.defer_weight_grads:
+            alongside.defer_weight_grads(deferrable_weights)
 
     @property
     def fp8_rows(self):
@@ -201,6 +204,7 @@ class SlotExchange(Exchange):
         if call.weighs_rows and plan.shadow is None and self.schedule_group_size is None:
             # The permuted rows only travel; the received ones are the experts' input, kept once.
             weight_N = weight_TK.reshape(-1).index_select(0, plan.slot_N)
+            self.defer_shared_weight_grads(alongside)
             with deferred.deferring(self.weight_grads_deferral()):
                 if self.pipelining(x_ND):
                     y_ND = self.pipelined(x_ND, plan, weight_N, call.rows, alongside)
@@ -291,6 +295,16 @@ class DedupExchange(Exchange):
                 and not torch.compiler.is_compiling() and not sharded_by_fsdp(self.layer.experts)):
             return 1
         return pipeline_chunks_for(self.layer, x.new_empty(x.shape[0] * self.layer.top_k, 0))
+
+
+def deferrable_weights(experts) -> bool:
+    """Whether a stacked lean MLP's weight-gradient GEMMs may wait for an exchange (`fmoe.kernels.deferred`):
+    eager, gradients on, the MLP lean, not under torch.autocast (it would get cast weights, not the
+    aliases), its weights trained and not sharded by FSDP2 (whose post-backward reduces each module's
+    gradients as its inputs' are done)."""
+    return (torch.is_grad_enabled() and not torch.compiler.is_compiling() and isinstance(experts, GroupedExperts)
+            and experts.lean and autocast_dtype(experts.w1_eDF) is None and experts.w1_eDF.requires_grad
+            and experts.w2_eFD.requires_grad and not sharded_by_fsdp(experts))
 
 
 def make_dispatcher(layer, shadow_policy, schedule: bool):

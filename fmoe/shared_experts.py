@@ -1,11 +1,12 @@
 """Shared experts: dense MLPs every token passes through, beside the routed ones (Qwen2-MoE's,
 DeepSeek's); optionally gated per token by sigmoid(x @ w)."""
-from typing import Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
 
 from fmoe.experts import GroupedExperts
+from fmoe.kernels import deferred
 
 
 def make_shared_experts(shared_expert, d_model: int, activation, bias: bool,
@@ -52,6 +53,8 @@ class SharedTerm:
             raise ValueError("shared_expert needs a single input tensor, not a tree of them")
         self.x_TD, self.shared_experts, self.gate = x_TD, shared_experts, gate
         self.shared_TD: Optional[torch.Tensor] = None
+        # Per shared expert (by id): the deferral its lean MLP's weight gradients go to (`defer_weight_grads`)
+        self.deferrals: Dict[int, deferred.DeferredWeightGrads] = {}
 
     @property
     def empty(self) -> bool:
@@ -61,8 +64,25 @@ class SharedTerm:
         if self.shared_experts is None or self.shared_TD is not None:
             return
         x_TD = self.x_TD
-        out_TD = sum(expert(x_TD) for expert in self.shared_experts)
+        out_TD = sum(self._through(expert, x_TD) for expert in self.shared_experts)
         self.shared_TD = out_TD if self.gate is None else torch.sigmoid(self.gate(x_TD)) * out_TD
+
+    def _through(self, expert: nn.Module, x_TD):
+        deferral = self.deferrals.get(id(expert))
+        if deferral is None:
+            return expert(x_TD)
+        with deferred.deferring(deferral):
+            return expert(x_TD)
+
+    def defer_weight_grads(self, deferrable: Callable[[nn.Module], bool]):
+        """fmoe's own shared MLPs (those whose stacked MLP is `deferrable`) leave their weight gradients for
+        a wait that would idle or the wait for the routed experts' input gradients (`fmoe.kernels.deferred`,
+        `late`). Called before the exchange starts: the deferral's sink must be older than its nodes."""
+        for expert in self.shared_experts or ():
+            mlp = getattr(expert, "mlp", None)
+            if isinstance(expert, SharedExpertMLP) and deferrable(mlp):
+                self.deferrals[id(expert)] = deferred.DeferredWeightGrads((mlp.w1_eDF, mlp.w2_eFD),
+                                                                          late=True)
 
     def add_to(self, y_TD):
         if self.shared_experts is None:

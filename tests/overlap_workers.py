@@ -394,8 +394,9 @@ def check_interleaved_compiled_equals_one_after_the_other(rank, world):
 def check_overlap_weight_grads_run_while_the_input_gradient_travels(rank, world):
     """The backward's order under each overlapping mode: the experts' input gradient starts back (`_Arrive`'s
     backward), their weight-gradient GEMMs run (the deferral's jobs), then a collective is waited for (the
-    first real wait after the trip started); with `defer_weight_grads = False` no job is deferred; both
-    bit-identical."""
+    first real wait after the trip started); the shared experts' weight-gradient GEMMs wait longer: they run
+    once every input gradient has started back, before the wait for them, unless a wait before would idle
+    (then there); with `defer_weight_grads = False` no job is deferred; all bit-identical."""
     from fmoe.kernels import deferred
     events = []
 
@@ -406,10 +407,11 @@ def check_overlap_weight_grads_run_while_the_input_gradient_travels(rank, world)
         return staticmethod(run) if name != "wgrad" else run
 
     arrive, wait, run_jobs = exchange._Arrive.backward, link.wait, deferred.DeferredWeightGrads.run
+    arrived = link.Pending.arrived
 
     def run_logged(self):
         if self.jobs:
-            events.append("wgrad")
+            events.append("shared wgrad" if self.late else "wgrad")
         return run_jobs(self)
 
     exchange._Arrive.backward = logged("trip", arrive)
@@ -420,7 +422,9 @@ def check_overlap_weight_grads_run_while_the_input_gradient_travels(rank, world)
     link.wait = wait_logged
     deferred.DeferredWeightGrads.run = run_logged
     try:
-        for overlap in ("shared", "pipeline"):
+        for overlap, idle in [("shared", False), ("pipeline", False), ("shared", True), ("pipeline", True)]:
+            # idle: every wait finds its collective still under way (else every one finds it there)
+            link.Pending.arrived = lambda self: not idle
             results = {}
             for defer in (True, False):
                 torch.manual_seed(0)
@@ -435,14 +439,24 @@ def check_overlap_weight_grads_run_while_the_input_gradient_travels(rank, world)
                 results[defer] = [y.detach(), x.grad] + [p.grad for p in layer.parameters()]
                 if defer:       # the jobs ran at a wait (not left to the end), after a gradient started back
                     wgrad = events.index("wgrad")
-                    assert "trip" in events[:wgrad] and events[wgrad + 1] == "wait", (overlap, events)
+                    then = next(e for e in events[wgrad:] if not e.endswith("wgrad"))
+                    assert "trip" in events[:wgrad] and then == "wait", (overlap, events)
+                    # the shared experts' jobs: after the last trip (every input gradient on its way), before a
+                    # wait; where the waits would idle, at the first (the output gradients' still under way)
+                    shared, last_trip = events.index("shared wgrad"), len(events) - 1 - events[::-1].index("trip")
+                    if idle:
+                        assert events[shared + 1:].index("wait") <= 1 and shared < last_trip, (overlap, events)
+                        assert "wait" not in events[:shared], (overlap, events)
+                    else:
+                        assert shared > last_trip and "wait" not in events[last_trip:shared], (overlap, events)
+                    assert events.count("shared wgrad") == 1, (overlap, events)
                 else:
-                    assert "wgrad" not in events, (overlap, events)
+                    assert not [e for e in events if e.endswith("wgrad")], (overlap, events)
             for a, b in zip(results[True], results[False]):
                 assert torch.equal(a, b), overlap
     finally:
         exchange._Arrive.backward, link.wait = staticmethod(arrive), wait
-        deferred.DeferredWeightGrads.run = run_jobs
+        deferred.DeferredWeightGrads.run, link.Pending.arrived = run_jobs, arrived
 
 
 # Under this link the performance model picks 1 chunk for the first row count, 2 for the second

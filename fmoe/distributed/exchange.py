@@ -226,6 +226,11 @@ class _Issue(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         flight, ctx.flight = ctx.flight, None
+        if flight.kind != "combine":
+            # The rows' (or their routing weights') gradients come back from the experts: what was left
+            # for this wait (the shared experts' weight gradients) computes while they travel.
+            from fmoe.kernels.deferred import run_late      # here: fmoe.kernels imports link
+            run_late()
         flight.returning.wait()
         grad_x, flight.returning, flight.grad_x = flight.received(flight.grad_x), None, None
         return grad_x, None

@@ -120,6 +120,12 @@ class Pending:
             self.ready_at = max(time.monotonic(), _link_free_at[0]) + link.seconds(nbytes)
             _link_free_at[0] = self.ready_at
 
+    def arrived(self) -> bool:
+        """Whether waiting now would return at once: the collectives done, the simulated transfer there."""
+        if self.ready_at is not None and self.ready_at > time.monotonic():
+            return False
+        return all(work.is_completed() for work in self.works if hasattr(work, "is_completed"))
+
     def wait(self):
         if self.waited:
             return
@@ -128,8 +134,10 @@ class Pending:
         # must not depend on the data, so that every rank issues its collectives in the same order
         # (`hands_turn=False`: a wait whose place in the backward differs between ranks keeps the turn).
         # Weight gradients left for this moment (the exchange's backward first) compute while this travels.
-        from fmoe.kernels.deferred import run_pending       # here: fmoe.kernels imports this module
+        from fmoe.kernels.deferred import run_late, run_pending     # here: fmoe.kernels imports this module
         run_pending()
+        if not self.arrived() and getattr(_waiting, "context", None) is None:
+            run_late()      # this thread would idle (no interleaved micro-batch takes the turn): fill it
         with _around_wait(self) if self.hands_turn else contextlib.nullcontext():
             for work in self.works:
                 wait(work, self.what)

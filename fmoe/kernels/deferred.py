@@ -13,6 +13,12 @@ runs first), and its backward hands the weights their gradients, running any job
 The jobs are the same GEMMs on the same operands, and a weight used by several calls (the pipelined
 exchange's chunks) gets their sum in the order autograd would have added them: bit-identical to
 computing them in line.
+
+The shared experts' weight gradients may wait longer (`late`): their backward comes first (autograd
+reaches it while the output gradients travel out), where their input gradient alone may cover that
+leg. Their jobs run at the first wait that would otherwise idle (the output gradients still under way:
+they fill it), else at the wait for the routed experts' input gradients (`run_late`, which the exchange's
+backward calls there): the end of the layer's backward, which only the routed weight GEMMs covered.
 """
 import threading
 import weakref
@@ -44,8 +50,8 @@ class _Sink(torch.autograd.Function):
 class DeferredWeightGrads:
     """Weight-gradient jobs of one layer's backward, run while its exchange travels."""
 
-    def __init__(self, weights: Sequence[torch.Tensor]):
-        self.weights = tuple(weights)
+    def __init__(self, weights: Sequence[torch.Tensor], late: bool = False):
+        self.weights, self.late = tuple(weights), late
         self.aliases = _Sink.apply(self, *weights)
         for alias in self.aliases:
             _by_alias[id(alias)] = self
@@ -57,15 +63,20 @@ class DeferredWeightGrads:
         return len(self.weights) == 2 and self.weights[0] is experts.w1_eDF and self.weights[1] is experts.w2_eFD
 
     def add(self, job: Callable[[], tuple]):
-        """`job()` gives the weights' gradients (in the aliases' order), to be run before the next wait."""
+        """`job()` gives the weights' gradients (in the aliases' order), to be run before the next wait
+        (`late`: before a wait that would idle, or the wait for an input gradient's exchange)."""
         self.jobs.append(job)
-        _pending().append(self)
+        (_late() if self.late else _pending()).append(self)
 
     def run(self):
         while self.jobs:
             for i, grad in enumerate(self.jobs.pop(0)()):
                 if grad is not None:
                     self.sums[i] = grad if self.sums[i] is None else self.sums[i] + grad
+        # Run by its sink before a wait did: the queue lets it go.
+        for queue in (_pending(), _late()):
+            while self in queue:
+                queue.remove(self)
 
 
 def _pending() -> List[DeferredWeightGrads]:
@@ -75,11 +86,26 @@ def _pending() -> List[DeferredWeightGrads]:
     return _current.pending
 
 
+def _late() -> List[DeferredWeightGrads]:
+    """This thread's late deferrals with jobs left, oldest first."""
+    if not hasattr(_current, "late"):
+        _current.late = []
+    return _current.late
+
+
 def run_pending():
     """This thread's deferred weight-gradient jobs so far (before a wait for a collective)."""
     queue = _pending()
     while queue:
-        queue.pop(0).run()
+        queue[0].run()
+
+
+def run_late():
+    """This thread's late jobs, then the others (before a wait that would idle, or for an input gradient)."""
+    queue = _late()
+    while queue:
+        queue[0].run()
+    run_pending()
 
 
 def deferral_of(weight: torch.Tensor) -> Optional[DeferredWeightGrads]:

@@ -15,7 +15,9 @@ operations as the layer runs them; `step_seconds` plays them:
                (the shared experts after the last); in the backward each chunk's input gradients
                start back as the next one computes
     (shared and pipeline, `defer_weight_grads`): the experts' backward sends its input gradients
-               first and computes its weight gradients (half its GEMMs) while they travel
+               first and computes its weight gradients (half its GEMMs) while they travel; the shared
+               experts' weight gradients (half their backward) run at the first wait that would idle
+               (a worker alone), else at the wait for the input gradients (`fmoe.kernels.deferred`, late)
     two micro-batches (`micro_batches=2`): two such lists, each of half the compute and bytes,
                taking turns (`fmoe.interleave_micro_batches`): the one whose turn it is runs until
                it waits, then the other runs unless it waits for a transfer started later (the link
@@ -49,7 +51,8 @@ class Components:
 
 
 def operations(c: Components, link: float, mode: str, chunks: int = 1, defer_weight_grads: bool = True) -> List[Tuple]:
-    """The layer's step as ("compute", s), ("send", name, s) and ("wait", name)."""
+    """The layer's step as ("compute", s), ("send", name, s), ("wait", name), and ("late", s): compute
+    that may run at any later wait that would idle, and at ("flush",) at the latest."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     fwd, bwd = 1 / 3, 2 / 3
@@ -68,14 +71,18 @@ def operations(c: Components, link: float, mode: str, chunks: int = 1, defer_wei
     # The shared experts run while the outputs travel back; so their backward (autograd takes them first)
     # while the output gradients travel out.
     ops += [("compute", s_f)] + [("wait", f"c{i}") for i in range(n)] + [("compute", o_f / 2)]
-    ops += [("send", f"gy{i}", leg / n) for i in range(n)] + [("compute", s_b)]
+    # Deferred, the shared experts' weight gradients (half their backward) wait: "late".
+    shared_weight_part = s_b / 2 if defer_weight_grads else 0.0
+    ops += [("send", f"gy{i}", leg / n) for i in range(n)] + [("compute", s_b - shared_weight_part)]
+    if shared_weight_part:
+        ops += [("late", shared_weight_part)]
     # The experts' backward: input gradient (two of its four GEMMs) and weight gradient (the other two),
     # the latter after the input gradient has started back when deferred (it runs at the next wait).
     weight_part = x_b / (2 * n) if defer_weight_grads else 0.0
     for i in range(n):
         ops += [("wait", f"gy{i}"), ("compute", x_b / n - weight_part), ("send", f"gx{i}", leg / n),
                 ("compute", weight_part)]
-    return ops + [("wait", f"gx{i}") for i in range(n)] + [("compute", o_b)]
+    return ops + [("flush",)] + [("wait", f"gx{i}") for i in range(n)] + [("compute", o_b)]
 
 
 def backward_begins(ops: List[Tuple]) -> int:
@@ -92,6 +99,7 @@ def step_seconds(workers: List[List[Tuple]], admit_at: int = 0) -> float:
     ready = [{} for _ in workers]           # per worker: transfer -> when it has arrived
     order = [{} for _ in workers]           # per worker: transfer -> its place among the transfers started
     position = [0] * len(workers)
+    late = [0.0] * len(workers)             # per worker: "late" compute not run yet
     turn = started = 0
 
     def waits_for(w: int):
@@ -112,12 +120,18 @@ def step_seconds(workers: List[List[Tuple]], admit_at: int = 0) -> float:
                 if theirs is None or theirs < order[turn][op[1]]:
                     turn = other
                     continue
+            if len(workers) == 1 and ready[turn][op[1]] > now:
+                now, late[turn] = now + late[turn], 0.0     # alone, it would idle: the late work fills it
             now = max(now, ready[turn][op[1]])
         elif op[0] == "send":
             link_free = max(now, link_free) + op[2]
             ready[turn][op[1]] = link_free
             started += 1
             order[turn][op[1]] = started
+        elif op[0] == "late":
+            late[turn] += op[1]
+        elif op[0] == "flush":
+            now, late[turn] = now + late[turn], 0.0
         else:
             now += op[1]
         position[turn] += 1
@@ -138,6 +152,7 @@ def work_conserving_seconds(workers: List[List[Tuple]], admit_at: int = 0) -> fl
     now = link_free = 0.0
     ready = [{} for _ in workers]
     position = [0] * len(workers)
+    late = [0.0] * len(workers)
     turn = 0
 
     def runnable(w: int) -> bool:
@@ -162,6 +177,10 @@ def work_conserving_seconds(workers: List[List[Tuple]], admit_at: int = 0) -> fl
             ready[turn][op[1]] = link_free
         elif op[0] == "compute":
             now += op[1]
+        elif op[0] == "late":
+            late[turn] += op[1]
+        elif op[0] == "flush":
+            now, late[turn] = now + late[turn], 0.0
         position[turn] += 1
     return now
 
