@@ -278,6 +278,8 @@ class DedupExchange(Exchange):
         run_here = None if pull is None or scheduled else pull.run_local
         schedule = (self.schedule_group_size, list(self.layer.experts.parameters())) if scheduled else None
         chunks = self.hop_chunks(x) if pull is None and not scheduled else 1
+        if self.bound is None and not scheduled:
+            self.defer_shared_weight_grads(alongside)
         with self.sync_free():
             y_TD = dedup.run_hop(plan.dedup, x, weight_TK, lambda x_QD, local, w_QK: call.tokens(x_QD, local, w_QK,
                                                                                                    run_here),
