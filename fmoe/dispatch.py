@@ -178,8 +178,9 @@ class Exchange(OneRank):
         return deferred.DeferredWeightGrads((experts.w1_eDF, experts.w2_eFD))
 
     def defer_shared_weight_grads(self, alongside: SharedTerm):
-        """Under an overlapping mode, the shared experts' weight gradients (fmoe's own lean MLPs) wait for
-        the routed experts' input gradients and compute while those travel back; before the dispatch starts."""
+        """Under an overlapping mode, the shared experts' weight gradients (fmoe's own lean MLPs) wait: for a
+        wait that would idle, else the routed experts' input gradients (`fmoe.kernels.deferred`, late).
+        Called before the exchange starts."""
         if self.overlap_shared and self.layer.defer_weight_grads:
             alongside.defer_weight_grads(deferrable_weights)
 
