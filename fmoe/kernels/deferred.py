@@ -101,11 +101,11 @@ def run_pending():
 
 
 def run_late():
-    """This thread's late jobs, then the others (before a wait that would idle, or for an input gradient)."""
+    """This thread's late jobs (before a wait that would idle, or for an input gradient; the wait itself
+    runs the others)."""
     queue = _late()
     while queue:
         queue[0].run()
-    run_pending()
 
 
 def deferral_of(weight: torch.Tensor) -> Optional[DeferredWeightGrads]:
